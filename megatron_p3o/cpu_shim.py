@@ -1,0 +1,137 @@
+"""Make Megatron-Core run on a machine without CUDA (gloo backend).
+
+Why this exists: Megatron-Core hard-codes CUDA devices (``torch.cuda.current_device()`` is used as
+a device at ~175 call sites, ``device="cuda"`` factory arguments, ``.cuda()`` calls, CUDA RNG
+states, ``torch.cuda.synchronize``). Our CI and developer machines have no GPU, yet every parallel
+layout (TP, PP, VPP, CP, DP, distributed optimizer, dist checkpointing) must be tested there. The
+shim below redirects those CUDA touches to the CPU. It is installed by
+:func:`megatron_p3o.parallel.initialize` **only when CUDA is unavailable**; on a GPU machine it is
+never active, so nothing here can change cluster behaviour.
+
+What it patches (see ``shared/docs/megatron-on-cpu.md`` for the measurements behind each):
+
+A. ``torch.cuda.current_device`` returns the CPU device.
+B. Megatron's CUDA RNG tracker is replaced by one that forks the CPU generator
+   (``DotProductAttention`` forks it even with dropout 0).
+C. A ``TorchFunctionMode`` that rewrites ``device="cuda"`` arguments to CPU, makes ``.cuda()`` a
+   no-op, drops ``pin_memory``, and reports ``torch.cuda.*Tensor`` type names (the distributed
+   optimizer checks them); ``torch.cuda.synchronize`` and ``current_stream`` become no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+def _cpu_if_cuda(value):
+    return _CPU if _is_cuda_device(value) else value
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Shim C: rewrite CUDA device requests made by Megatron-Core into CPU ones."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+        if func is torch.Tensor.is_pinned:
+            return False
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        if func in (torch.Tensor.to, torch.Tensor.new_empty) or getattr(func, "__name__", "") == "to":
+            args = tuple(_cpu_if_cuda(a) for a in args)
+        return func(*args, **kwargs)
+
+
+class _CpuRNGStatesTracker:
+    """Shim B: named RNG streams over the CPU generator, mirroring ``CudaRNGStatesTracker``."""
+
+    def __init__(self, *_, **__):
+        self.reset()
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"RNG seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"RNG state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"RNG state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def install() -> bool:
+    """Install shims A, B and C once per process. Returns False (and does nothing) with CUDA."""
+    global _INSTALLED
+    if torch.cuda.is_available():
+        return False
+    if _INSTALLED:
+        return True
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # A: current_device is used as a device argument throughout Megatron-Core.
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: types.SimpleNamespace(
+        synchronize=lambda: None, wait_stream=lambda *_: None, record_event=lambda *_: None
+    )
+    # B: a CPU RNG tracker in place of the CUDA one.
+    tracker_cls = type("CpuRNGStatesTracker", (_CpuRNGStatesTracker, mrandom.CudaRNGStatesTracker), {})
+    mrandom.CudaRNGStatesTracker_orig = mrandom.CudaRNGStatesTracker
+    mrandom.CudaRNGStatesTracker = tracker_cls
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # C: CUDA device arguments become CPU ones, for the rest of the process.
+    _CudaToCpuMode().__enter__()
+    _INSTALLED = True
+    return True

@@ -1,0 +1,188 @@
+"""Build Megatron-Core ``GPTModel`` chunks from a :class:`ModelDescription` and a layout.
+
+Why: one place decides the TransformerConfig (RMSNorm, SwiGLU, GQA, RoPE, QK-norm, QKV bias,
+tied embeddings), the layer spec (Transformer Engine on GPUs, the local spec on CPU, with our
+CP-capable attention when cp > 1 on CPU), and the vocabulary padding. Padded vocabulary rows exist
+only so the vocabulary splits evenly over TP; :func:`padded_vocab_size` is the one rule for them and
+the log-prob code masks them out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import mcore_compat
+from ..parallel import LayoutError, ParallelGroups
+from .description import ModelDescription
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Vocabulary rounded up to a multiple of ``lcm(divisible_by, tp)``.
+
+    Megatron-LM pads to ``divisible_by × tp``, which changes the embedding shape with TP and so
+    breaks resharding a checkpoint to another TP. With the lcm rule the padded size is the same
+    for every power-of-two TP up to ``divisible_by`` (300 → 384 at TP 1, 2, 4 and 8).
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to build the model (not what model: that is the description).
+
+    Attributes:
+        params_dtype: parameter dtype (fp32 for CPU tests; bf16 on GPUs).
+        make_vocab_size_divisible_by: vocab padding unit per TP rank.
+        seq_length: longest training sequence (checked against CP and the description).
+        use_te: Transformer Engine layer spec; None = auto (TE importable and CUDA present).
+        fp8: TE FP8 recipe ("hybrid"/"e4m3") or None.
+        init_method_std: std of the random initialization (when not loading weights).
+        recompute: activation recomputation ("selective", "full") or None.
+    """
+
+    params_dtype: torch.dtype = torch.float32
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 2048
+    use_te: Optional[bool] = None
+    fp8: Optional[str] = None
+    init_method_std: float = 0.02
+    recompute: Optional[str] = None
+
+
+def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: BuildOptions):
+    """The Megatron ``TransformerConfig`` for this model and layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    lay = groups.layout
+    lay.check_model(num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads)
+    lay.check_sequence(opts.seq_length)
+    if desc.sliding_window is not None and opts.seq_length > desc.sliding_window:
+        raise LayoutError(
+            f"seq_length={opts.seq_length} exceeds the model's sliding_window={desc.sliding_window}; "
+            "sliding-window attention is not implemented, keep sequences within the window"
+        )
+    use_te = resolve_use_te(opts)
+    if opts.fp8 and not use_te:
+        raise ValueError("fp8 training needs Transformer Engine on a GPU (use_te)")
+    on_gloo = groups.backend == "gloo"
+    kw = dict(
+        num_layers=desc.num_layers,
+        hidden_size=desc.hidden_size,
+        ffn_hidden_size=desc.intermediate_size,
+        num_attention_heads=desc.num_heads,
+        num_query_groups=desc.num_kv_heads,
+        kv_channels=desc.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=desc.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=desc.qkv_bias,
+        qk_layernorm=desc.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=opts.init_method_std,
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        virtual_pipeline_model_parallel_size=lay.vpp,
+        context_parallel_size=lay.cp,
+        sequence_parallel=lay.sequence_parallel,
+        params_dtype=opts.params_dtype,
+        pipeline_dtype=opts.params_dtype,
+        bf16=opts.params_dtype == torch.bfloat16,
+        fp16=opts.params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # We normalize by the global token count ourselves (see loss/); Megatron must only sum.
+        calculate_per_token_loss=True,
+        # gloo pairs a send and a recv to the same peer wrongly inside one batched p2p op: with
+        # the default True, interleaved PP computes silently wrong gradients (measured at PP=2).
+        batch_p2p_comm=not on_gloo,
+        fp8=opts.fp8,
+    )
+    if opts.recompute:
+        kw.update(recompute_granularity=opts.recompute)
+        if opts.recompute == "full":
+            kw.update(recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kw)
+
+
+def resolve_use_te(opts: BuildOptions) -> bool:
+    if opts.use_te is None:
+        return torch.cuda.is_available() and mcore_compat.have_transformer_engine()
+    if opts.use_te and not (torch.cuda.is_available() and mcore_compat.have_transformer_engine()):
+        raise ValueError("use_te=True needs CUDA and transformer_engine (pip install .[gpu])")
+    return opts.use_te
+
+
+def build_model(desc: ModelDescription, groups: ParallelGroups,
+                opts: BuildOptions = BuildOptions()) -> List[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage).
+
+    Returns plain ``GPTModel`` modules (not DDP-wrapped). Each chunk has ``vp_stage`` set and
+    ``.description`` / ``.padded_vocab_size`` attributes for the loss and export code.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(desc, groups, opts)
+    use_te = resolve_use_te(opts)
+    spec = mcore_compat.layer_spec(use_te=use_te, qk_norm=desc.qk_norm)
+    if groups.layout.cp > 1 and not use_te:
+        from .cp_attention import CPAllGatherAttention
+
+        spec.submodules.self_attention.submodules.core_attention = CPAllGatherAttention
+    vocab = padded_vocab_size(desc.vocab_size, groups.layout.tp, opts.make_vocab_size_divisible_by)
+    rope = desc.rope_scaling or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    chunks = []
+    n_chunks = groups.layout.vpp or 1
+    for vp_stage in range(n_chunks):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=max(opts.seq_length, desc.max_position_embeddings),
+            pre_process=groups.is_first_stage(vp_stage),
+            post_process=groups.is_last_stage(vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=desc.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(desc.rope_theta),
+            seq_len_interpolation_factor=float(rope["factor"]) if kind == "linear" else None,
+            pg_collection=groups.pg_collection,
+            vp_stage=vp_stage if groups.layout.vpp else None,
+        )
+        if kind == "llama3":
+            _apply_llama3_rope(model, desc)
+        model.description = desc
+        model.padded_vocab_size = vocab
+        model.vp_stage = vp_stage if groups.layout.vpp else None
+        chunks.append(model)
+    return chunks
+
+
+def _apply_llama3_rope(model, desc: ModelDescription) -> None:
+    """Llama 3.1 frequency scaling with the config's own factors (Megatron hard-codes 1/4/8192)."""
+    rs = desc.rope_scaling
+    rot = model.rotary_pos_emb
+    dim = desc.head_dim
+    base = torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim
+    inv = 1.0 / (desc.rope_theta ** base)
+    rot.inv_freq = rot._apply_scaling(
+        inv,
+        factor=float(rs["factor"]),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )

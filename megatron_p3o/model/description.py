@@ -1,0 +1,152 @@
+"""The model description: what we need from a HuggingFace ``config.json`` to build a GPTModel.
+
+Why: one small frozen record decouples the Megatron builder, the HF conversion and the rollout
+engine from HF config classes. It is saved next to every Megatron checkpoint we write, so training
+and export need no extra flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+# architectures we can map, and the family that decides the layout details
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model this project cannot build or convert."""
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A decoder-only Llama-family transformer, described in HF terms.
+
+    Attributes:
+        architecture: HF architecture class name, e.g. ``"Qwen3ForCausalLM"``.
+        vocab_size: true vocabulary size (before padding to a multiple of TP).
+        hidden_size: model width.
+        intermediate_size: SwiGLU MLP width.
+        num_layers: transformer layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (GQA groups).
+        head_dim: per-head width (Qwen3 sets it independently of hidden/heads).
+        rope_theta: RoPE base.
+        rope_scaling: HF ``rope_scaling`` dict (``llama3`` and ``linear`` supported) or None.
+        rms_norm_eps: RMSNorm epsilon.
+        tie_word_embeddings: output layer shares the input embedding.
+        qkv_bias: biases on q/k/v projections (Qwen2).
+        qk_norm: RMSNorm on q and k per head (Qwen3).
+        max_position_embeddings: longest sequence the config allows.
+        sliding_window: attention window (Mistral v0.1); None when full attention.
+        torch_dtype: dtype named in the HF config (informational).
+        bos_token_id / eos_token_id / pad_token_id: special tokens, as in the HF config.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: Optional[int] = None
+    torch_dtype: str = "float32"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Any = None
+    pad_token_id: Optional[int] = None
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelDescription":
+        """Read an HF ``config.json`` dict; refuse architectures and features we cannot map."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"{source}: architectures={archs} (model_type={cfg.get('model_type')!r}) is not "
+                f"supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
+        heads = int(cfg["num_attention_heads"])
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind == "default":
+                rope_scaling = None
+            elif kind not in ("llama3", "linear"):
+                raise UnsupportedModelError(
+                    f"{source}: rope_scaling type {kind!r} is not supported (llama3, linear are)"
+                )
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        if family == "qwen2":
+            qkv_bias = True
+        else:
+            qkv_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rope_theta=float(rope_theta),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=family == "qwen3",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            sliding_window=int(window) if window else None,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "ModelDescription":
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no config.json in HF model directory {path}")
+        return cls.from_hf_config(json.loads(cfg_path.read_text()), source=str(cfg_path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelDescription":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"model description: unknown keys {unknown}")
+        return cls(**d)

@@ -1,0 +1,33 @@
+"""megatron-p3o: Megatron-scale RL post-training with the P3O objective."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-p3o",
+    version="0.1.0",
+    description="Megatron-Core RL post-training trainer for P3O (and baselines) with SGLang rollouts",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_p3o", "megatron_p3o.*", "checkpoints_convert",
+                                    "checkpoints_convert.*"]),
+    install_requires=[
+        # A range: clusters bring their own CUDA build. CPU machines pin 2.13.0 via
+        # constraints-cpu.txt so nothing pulls a CUDA wheel.
+        "torch>=2.6,<2.15",
+        # 0.16.1 is the newest for Python 3.11 and the version tested on CPU; 0.17+ needs 3.12.
+        # Version-specific calls live in megatron_p3o/mcore_compat.py.
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.16.1,<0.20; python_version >= '3.12'",
+        "psutil",  # without it a dist_checkpointing save hangs forever
+        "pyyaml",
+        "safetensors",
+        "transformers>=4.51",
+        "numpy",
+        "rich",
+        "packaging",
+    ],
+    extras_require={
+        # GPU clusters only. NVIDIA apex is optional and built from source; never the PyPI 'apex'.
+        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        "dev": ["pytest>=8"],
+    },
+)
