@@ -34,12 +34,17 @@ def next_token_targets(tokens: Tensor, pad_id: int = 0) -> Tensor:
 
 
 def slice_for_cp(batch: MicroBatch, groups: ParallelGroups) -> MicroBatch:
-    """This CP rank's two load-balanced chunks of every ``[b, s]`` tensor (Megatron's split)."""
+    """This CP rank's two load-balanced chunks of every ``[b, s]`` tensor (Megatron's split).
+
+    Per-sequence entries (``[b]``: rewards, lengths, sample indices) pass through unchanged.
+    """
     if groups.layout.cp == 1:
         return batch
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    return get_batch_on_this_cp_rank(dict(batch), cp_group=groups.cp)
+    per_token = {k: v for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2}
+    sliced = get_batch_on_this_cp_rank(per_token, cp_group=groups.cp)
+    return {**batch, **sliced}
 
 
 def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model):

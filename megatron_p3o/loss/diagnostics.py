@@ -1,0 +1,34 @@
+"""Train–rollout mismatch diagnostics reported for every objective (per the formulas doc).
+
+Ratio ρ = πθ/πb: mean, std, max and p50/p90/p99; mean k3(πθ‖πb); mean |ℓθ − ℓb|; entropy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..metrics import StepMetrics
+from .terms import LossInputs, k3, masked_log_ratio
+
+
+def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs) -> None:
+    m = inp.mask.detach()
+    n = m.sum()
+    d = masked_log_ratio(inp.logprobs.detach().double(), inp.behavior_logprobs.detach().double(), m)
+    rho = torch.exp(d) * m
+    acc.add("ratio_mean", rho.sum(), n)
+    acc.add("ratio_sq_mean", (rho * rho).sum(), n)
+    acc.add_max("ratio_max", rho.max() if n > 0 else 0.0)
+    acc.add("k3_to_behavior", k3(inp.logprobs.detach(), inp.behavior_logprobs, m).sum(), n)
+    acc.add("abs_logprob_diff", (d.abs() * m).sum(), n)
+    acc.add_log_hist("ratio", d[m > 0])
+    if inp.entropy is not None:
+        acc.add("entropy", (inp.entropy.detach() * m).sum(), n)
+
+
+def finalize_mismatch(result: dict) -> dict:
+    """Adds ``ratio_std`` from the first two moments."""
+    if "ratio_mean" in result and "ratio_sq_mean" in result:
+        var = max(result["ratio_sq_mean"] - result["ratio_mean"] ** 2, 0.0)
+        result["ratio_std"] = var ** 0.5
+    return result

@@ -1,0 +1,47 @@
+"""P3O (seed 000, Eq. 11–12): ESS-capped policy gradient with an ESS-scaled k3 trust region.
+
+    loss_t = −sg(min(ρ_t, e_B)) · sg(A_t) · ℓθ_t + (1 − e_B) · k3(ℓθ_t, ℓb_t)
+             [+ η · k3(ℓθ_t, ℓref_t) − β_H · H_t]
+ρ = exp(ℓθ − ℓb) against the rollout engine's log-probs; e_B is the step's global ESS (frozen).
+Token-mean over the step. No clip range, no trust-region knob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .terms import LossInputs, StepStats, k3, masked_log_ratio
+
+
+@dataclass(frozen=True)
+class P3OConfig:
+    """P3O hyper-parameters (all optional extras; the paper's objective has none).
+
+    Attributes:
+        ref_kl_coef: η, weight of k3 to the frozen reference model (0 = off).
+        entropy_coef: β_H, entropy bonus (0 = off).
+        k3_clamp: clamp of ℓb − ℓθ inside exp() in k3 (FeynRL uses 10).
+    """
+
+    ref_kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    k3_clamp: float = 10.0
+
+
+def p3o_terms(inp: LossInputs, stats: StepStats, h: P3OConfig):
+    """Σ_t loss_t over valid tokens ``[B, T]`` → scalar, plus metric (numerator, count) pairs."""
+    e = float(stats.ess)
+    m = inp.mask
+    rho = torch.exp(masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m)).detach()
+    w = torch.clamp(rho, max=e)
+    kl_b = k3(inp.logprobs, inp.behavior_logprobs, m, h.k3_clamp)
+    per_tok = -w * inp.advantages.detach() * inp.logprobs + (1.0 - e) * kl_b
+    if h.ref_kl_coef:
+        per_tok = per_tok + h.ref_kl_coef * k3(inp.logprobs, inp.ref_logprobs, m, h.k3_clamp)
+    if h.entropy_coef:
+        per_tok = per_tok - h.entropy_coef * inp.entropy
+    n = m.sum()
+    metrics = {"frac_rho_above_ess": (((rho > e).float() * m).sum(), n)}
+    return (per_tok * m).sum(), metrics

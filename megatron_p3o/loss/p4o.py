@@ -1,0 +1,43 @@
+"""P4O (FeynRL): P3O with two anchors, the behaviour policy and the proximal policy.
+
+    e = min(e_b, e_prox)     (both global ESS of the step: πθ/πb and πθ/πprox)
+    loss_t = −sg(min(ρ_t, e)) · A_t · ℓθ_t + (1 − e) · k3(ℓθ_t, ℓmix_t)
+    ℓmix = logsumexp(ln(w_b+δ) + ℓb, ln(w_p+δ) + ℓprox) − ln(w_b + w_p + 2δ),
+    w_b = 1 − e_b, w_p = 1 − e_prox; the trust-region term is skipped when 1 − e < 1e-6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import math
+
+import torch
+
+from .terms import LossInputs, StepStats, k3, masked_log_ratio
+
+
+@dataclass(frozen=True)
+class P4OConfig:
+    """Attributes:
+        delta: δ, smoothing of the mixture weights.
+        k3_clamp: clamp inside exp() of k3.
+    """
+
+    delta: float = 1e-6
+    k3_clamp: float = 10.0
+
+
+def p4o_terms(inp: LossInputs, stats: StepStats, h: P4OConfig):
+    m = inp.mask
+    e_b, e_p = float(stats.ess), float(stats.ess_prox)
+    e = min(e_b, e_p)
+    rho = torch.exp(masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m)).detach()
+    per_tok = -torch.clamp(rho, max=e) * inp.advantages.detach() * inp.logprobs
+    if 1.0 - e >= 1e-6:
+        wb, wp = 1.0 - e_b, 1.0 - e_p
+        lb = inp.behavior_logprobs.float() + math.log(wb + h.delta)
+        lp = inp.old_logprobs.float() + math.log(wp + h.delta)
+        mix = torch.logaddexp(lb, lp) - math.log(wb + wp + 2 * h.delta)
+        per_tok = per_tok + (1.0 - e) * k3(inp.logprobs, mix, m, h.k3_clamp)
+    return (per_tok * m).sum(), {"frac_rho_above_ess": (((rho > e).float() * m).sum(), m.sum())}

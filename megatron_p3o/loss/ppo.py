@@ -1,0 +1,100 @@
+"""The clipped-ratio family: PPO, GRPO, DAPO, and the TIS / MIS train–rollout corrections.
+
+    r = exp(ℓθ − ℓold)          (ℓold = ℓb when no recompute is given: "bypass")
+    loss_t = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)  [+ β · k3(ℓθ, ℓref)]
+GRPO aggregates a sequence-mean of token-means; PPO and DAPO a token-mean.
+TIS multiplies each token's loss by min(v, C), v = sg(exp(ℓold − ℓb)); MIS drops tokens (or
+whole sequences, by product or geometric mean of v) with v ∉ [C_low, C_high].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .terms import (LossInputs, StepStats, clip_fraction, clipped_surrogate, k3,
+                    masked_log_ratio, seq_mean_of_token_terms)
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """Clipped-surrogate hyper-parameters.
+
+    Attributes:
+        eps_low: lower clip ε (ratio ≥ 1 − ε_low).
+        eps_high: upper clip ε (ratio ≤ 1 + ε_high); DAPO's "clip-higher" uses 0.28.
+        kl_coef: β, weight of k3 to the reference model (GRPO commonly 0.04; 0 = off).
+        aggregation: "token_mean" or "seq_mean_token_mean" (GRPO).
+        tis_cap: C of truncated importance sampling (None = off).
+        mis_low / mis_high: masked-importance-sampling band [C_low, C_high] (None = off).
+        mis_level: "token", "seq_product" or "seq_geomean".
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0
+    aggregation: str = "token_mean"
+    tis_cap: float | None = None
+    mis_low: float | None = None
+    mis_high: float | None = None
+    mis_level: str = "token"
+
+    def __post_init__(self):
+        if self.aggregation not in ("token_mean", "seq_mean_token_mean"):
+            raise ValueError(f"aggregation={self.aggregation!r}: use token_mean or seq_mean_token_mean")
+        if self.mis_level not in ("token", "seq_product", "seq_geomean"):
+            raise ValueError(f"mis_level={self.mis_level!r}: use token, seq_product or seq_geomean")
+        if (self.mis_low is None) != (self.mis_high is None):
+            raise ValueError("mis_low and mis_high must be set together")
+
+
+def _mis_keep(log_v, mask, h: ClipConfig):
+    lo, hi = torch.log(torch.tensor(h.mis_low)), torch.log(torch.tensor(h.mis_high))
+    if h.mis_level == "token":
+        lv = log_v
+    elif h.mis_level == "seq_product":
+        lv = (log_v * mask).sum(-1, keepdim=True).expand_as(log_v)
+    else:
+        lv = ((log_v * mask).sum(-1) / mask.sum(-1).clamp_min(1)).unsqueeze(-1).expand_as(log_v)
+    return ((lv >= lo) & (lv <= hi)).to(mask.dtype)
+
+
+def clip_terms(inp: LossInputs, stats: StepStats, h: ClipConfig):
+    m = inp.mask
+    old = inp.old_logprobs if inp.old_logprobs is not None else inp.behavior_logprobs
+    ratio = torch.exp(masked_log_ratio(inp.logprobs, old.detach(), m))
+    adv = inp.advantages.detach()
+    per_tok = clipped_surrogate(ratio, adv, h.eps_low, h.eps_high)
+    metrics = {"clip_frac": (clip_fraction(ratio.detach(), adv, h.eps_low, h.eps_high, m), m.sum())}
+    if h.tis_cap is not None or h.mis_low is not None:
+        log_v = masked_log_ratio(old.detach(), inp.behavior_logprobs, m)
+        if h.tis_cap is not None:
+            per_tok = per_tok * torch.clamp(torch.exp(log_v), max=h.tis_cap)
+        if h.mis_low is not None:
+            keep = _mis_keep(log_v, m, h)
+            metrics["mis_masked_frac"] = (((1 - keep) * m).sum(), m.sum())
+            per_tok = per_tok * keep
+    if h.kl_coef:
+        per_tok = per_tok + h.kl_coef * k3(inp.logprobs, inp.ref_logprobs, m)
+    if h.aggregation == "seq_mean_token_mean":
+        return seq_mean_of_token_terms(per_tok, m, inp.lengths), metrics
+    return (per_tok * m).sum(), metrics
+
+
+def dapo_overlong_reward(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO's soft overlong shaping ``R_len [B]``: 0 up to L_max − L_cache, linear to −1 at L_max."""
+    safe = max_len - cache_len
+    pen = (safe - lengths.float()) / cache_len
+    return torch.where(lengths <= safe, torch.zeros_like(pen),
+                       torch.where(lengths <= max_len, pen, -torch.ones_like(pen)))
+
+
+def dapo_dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: keep sequences whose prompt group has rewards that are not all equal."""
+    keep = torch.zeros_like(rewards, dtype=torch.bool)
+    for g in group_ids.unique():
+        sel = group_ids == g
+        r = rewards[sel]
+        keep[sel] = bool((r != r[0]).any())
+    return keep

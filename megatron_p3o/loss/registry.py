@@ -1,0 +1,184 @@
+"""The objective registry and the single-process ``policy_loss`` entry point.
+
+Why: the trainer picks one :class:`Objective` when it is built (no string switch in the loop).
+Each objective is a pure tensor function that returns the *sum* of its terms over the given
+tokens (or sequences); dividing by the step's global token (or sequence) count happens once, in
+the caller, with a normalizer computed before the gradient pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..metrics import StepMetrics
+from .cispo import CISPOConfig, cispo_terms
+from .decoupled_ppo import DecoupledPPOConfig, decoupled_ppo_terms
+from .diagnostics import add_mismatch_metrics, finalize_mismatch
+from .ess import check_finite, ess_from_stats, ess_stats
+from .gspo import GSPOConfig, gspo_terms
+from .oapl import OAPLConfig, oapl_terms
+from .p3o import P3OConfig, p3o_terms
+from .p4o import P4OConfig, p4o_terms
+from .ppo import ClipConfig, clip_terms
+from .reinforce import ReinforceConfig, reinforce_terms
+from .terms import LossInputs, StepStats
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    config_cls: type
+    terms: Callable
+    needs: Tuple[str, ...] = ()  # of: ess, ess_prox, old, ref(if coef), rewards
+    per_sequence: bool = False
+    whole_sequences: bool = False  # nonlinear in a sequence's token sum: CP must not split it
+    defaults: Dict[str, Any] = field(default_factory=dict)
+
+
+OBJECTIVES: Dict[str, ObjectiveSpec] = {
+    "p3o": ObjectiveSpec(P3OConfig, p3o_terms, needs=("ess",)),
+    "p4o": ObjectiveSpec(P4OConfig, p4o_terms, needs=("ess", "ess_prox", "old")),
+    "reinforce": ObjectiveSpec(ReinforceConfig, reinforce_terms),
+    "ppo": ObjectiveSpec(ClipConfig, clip_terms),
+    "grpo": ObjectiveSpec(ClipConfig, clip_terms, defaults={"aggregation": "seq_mean_token_mean"}),
+    "dapo": ObjectiveSpec(ClipConfig, clip_terms, defaults={"eps_low": 0.2, "eps_high": 0.28}),
+    "tis": ObjectiveSpec(ClipConfig, clip_terms, needs=("old",), defaults={"tis_cap": 2.0}),
+    "mis": ObjectiveSpec(ClipConfig, clip_terms, needs=("old",),
+                         defaults={"mis_low": 0.5, "mis_high": 2.0}),
+    "gspo": ObjectiveSpec(GSPOConfig, gspo_terms, per_sequence=True, whole_sequences=True),
+    "gspo_token": ObjectiveSpec(GSPOConfig, gspo_terms, per_sequence=True, whole_sequences=True,
+                                defaults={"token_level": True}),
+    "cispo": ObjectiveSpec(CISPOConfig, cispo_terms),
+    "decoupled_ppo": ObjectiveSpec(DecoupledPPOConfig, decoupled_ppo_terms, needs=("old",)),
+    "oapl": ObjectiveSpec(OAPLConfig, oapl_terms, per_sequence=True, whole_sequences=True),
+}
+
+
+class Objective:
+    """A configured objective: ``terms(inputs, stats) -> (sum, metric pairs)``."""
+
+    def __init__(self, name: str, spec: ObjectiveSpec, hyper):
+        self.name, self.spec, self.hyper = name, spec, hyper
+
+    @property
+    def per_sequence(self) -> bool:
+        """True when the loss is a mean over sequences (else over tokens)."""
+        return self.spec.per_sequence or getattr(self.hyper, "aggregation", "") == "seq_mean_token_mean"
+
+    @property
+    def needs_ess(self) -> bool:
+        return "ess" in self.spec.needs
+
+    @property
+    def needs_ess_prox(self) -> bool:
+        return "ess_prox" in self.spec.needs
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return "old" in self.spec.needs
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        return bool(getattr(self.hyper, "ref_kl_coef", 0) or getattr(self.hyper, "kl_coef", 0))
+
+    @property
+    def needs_entropy(self) -> bool:
+        return bool(getattr(self.hyper, "entropy_coef", 0))
+
+    def normalizer(self, stats: StepStats) -> float:
+        return stats.n_seqs if self.per_sequence else stats.n_tokens
+
+    def check_inputs(self, inp: LossInputs) -> None:
+        for need, value, hint in (
+            (self.needs_old_logprobs, inp.old_logprobs, "old_logprobs (ℓold/ℓprox)"),
+            (self.needs_ref_logprobs, inp.ref_logprobs, "ref_logprobs (ℓref)"),
+            (self.needs_entropy, inp.entropy, "entropy"),
+        ):
+            if need and value is None:
+                raise ValueError(f"objective {self.name!r} with {self.hyper} needs {hint}")
+
+    def terms(self, inp: LossInputs, stats: StepStats):
+        return self.spec.terms(inp, stats, self.hyper)
+
+    def __repr__(self):
+        return f"Objective({self.name}, {self.hyper})"
+
+
+def build_objective(name: str, **hyper) -> Objective:
+    """The objective ``name`` with its hyper-parameters (unknown names/keys are errors)."""
+    spec = OBJECTIVES.get(name)
+    if spec is None:
+        near = difflib.get_close_matches(name, OBJECTIVES, n=1)
+        raise ValueError(f"unknown objective {name!r}{f' (did you mean {near[0]!r}?)' if near else ''}; "
+                         f"known: {sorted(OBJECTIVES)}")
+    known = {f.name for f in dataclasses.fields(spec.config_cls)}
+    for key in hyper:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            raise ValueError(f"objective {name!r}: unknown hyper-parameter {key!r}"
+                             f"{f' (did you mean {near[0]!r}?)' if near else ''}; known: {sorted(known)}")
+    return Objective(name, spec, spec.config_cls(**{**spec.defaults, **hyper}))
+
+
+def broadcast_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Per-sequence ``[B]`` advantages → per-token ``[B, T]``; ``[B, T]`` passes through."""
+    if advantages.dim() == 1:
+        return advantages[:, None].expand_as(mask).to(torch.float32)
+    if advantages.shape != mask.shape:
+        raise ValueError(f"advantages {tuple(advantages.shape)} match neither [B] nor mask {tuple(mask.shape)}")
+    return advantages
+
+
+def step_stats(objective: Objective, inp: LossInputs) -> StepStats:
+    """Step statistics of a batch that *is* the whole step (single process)."""
+    m = inp.mask
+    ess = ess_from_stats(ess_stats(inp.logprobs, inp.behavior_logprobs, m)) if objective.needs_ess else None
+    ess_p = (ess_from_stats(ess_stats(inp.logprobs, inp.old_logprobs, m), "step (prox)")
+             if objective.needs_ess_prox else None)
+    return StepStats(n_tokens=float(m.sum()), n_seqs=float((m.sum(-1) > 0).sum()), ess=ess, ess_prox=ess_p)
+
+
+def policy_loss(name: str, logprobs: Tensor, behavior_logprobs: Tensor, advantages: Tensor,
+                mask: Tensor, *, old_logprobs: Optional[Tensor] = None,
+                ref_logprobs: Optional[Tensor] = None, rewards: Optional[Tensor] = None,
+                group_ids: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
+                sample_ids=None, **hyper) -> Tuple[Tensor, Dict[str, float]]:
+    """Loss of one optimizer step held by one process.
+
+    Args:
+        name: objective name (``p3o`` default; see :data:`OBJECTIVES`).
+        logprobs: ℓθ ``[B, T]`` (differentiable). behavior_logprobs: ℓb ``[B, T]``.
+        advantages: ``[B, T]`` or per-sequence ``[B]``. mask: ``[B, T]`` valid response tokens.
+        old_logprobs / ref_logprobs / rewards / group_ids / entropy: as the objective needs.
+        sample_ids: optional names of the B samples, used in error messages.
+        **hyper: the objective's hyper-parameters.
+
+    Returns:
+        ``(loss, metrics)``: the scalar to minimise and floats (``metrics['ess']`` = e_B where used).
+    """
+    obj = build_objective(name, **hyper)
+    mask = mask.to(torch.float32)
+    check_finite("behaviour log-prob ℓb", behavior_logprobs, mask, sample_ids)
+    check_finite("trainer log-prob ℓθ", logprobs.detach(), mask, sample_ids)
+    inp = LossInputs(logprobs, behavior_logprobs, broadcast_advantages(advantages, mask), mask,
+                     old_logprobs, ref_logprobs, entropy, rewards, group_ids)
+    obj.check_inputs(inp)
+    stats = step_stats(obj, inp)
+    total, pairs = obj.terms(inp, stats)
+    loss = total / max(obj.normalizer(stats), 1.0)
+    acc = StepMetrics()
+    for k, (num, den) in pairs.items():
+        acc.add(k, num, den)
+    add_mismatch_metrics(acc, inp)
+    metrics = finalize_mismatch(acc.result())
+    if stats.ess is not None:
+        metrics["ess"] = stats.ess
+    if stats.ess_prox is not None:
+        metrics["ess_prox"] = stats.ess_prox
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics

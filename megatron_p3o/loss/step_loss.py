@@ -1,0 +1,232 @@
+"""The objective wired into Megatron-Core's schedules: one normalizer and one e_B per step.
+
+Order of one optimizer step (``StepLoss.run``):
+1. Count the step's valid tokens and sequences on every rank and all-reduce them over DP:
+   the single normalizer N_B (or the sequence count), known before any gradient.
+2. ESS pre-pass (scope ``step``, objectives that need e_B): a no-grad forward of every
+   micro-batch with the current weights gives float64 (Σρ, Σρ², N); they are summed over
+   micro-batches and all-reduced once over DP×CP on the last pipeline stage. e_B is then
+   frozen for the gradient pass (the weights do not change inside the step, so it is exact).
+   Scope ``microbatch`` (FeynRL-compatible) skips the pre-pass: micro-batch k's e_B pools the
+   k-th micro-batch of every DP×CP rank.
+3. Gradient pass through ``forward_backward``: each micro-batch returns Σ terms / N_B. Megatron
+   only sums (``calculate_per_token_loss`` + our finalizer), so the gradient is that of one
+   process holding the whole step batch.
+
+Micro-batch keys: ``tokens``, ``targets``, ``loss_mask``, ``behavior_logprobs``, ``advantages``
+(all ``[b, s]``, aligned with ``targets``), optionally ``old_logprobs``, ``ref_logprobs``,
+``rewards`` / ``group_ids`` / ``sample_index`` (``[b]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..metrics import StepMetrics
+from ..model.forward import MicroBatch, forward_backward
+from ..parallel import ParallelGroups
+from .diagnostics import add_mismatch_metrics, finalize_mismatch
+from .ess import NonFiniteLogprobError, all_reduce_stats, check_finite, ess_from_stats, ess_stats
+from .logprob import vocab_parallel_logprobs
+from .registry import Objective
+from .terms import LossInputs, StepStats
+
+
+@dataclass(frozen=True)
+class StepLossConfig:
+    """Attributes:
+        temperature: sampling temperature; ℓθ is computed from logits / T.
+        ess_scope: "step" (exact, one extra no-grad forward) or "microbatch" (FeynRL).
+        nonfinite: "error" (default) or "mask" (drop and count) for NaN/inf log-probs.
+        logprob_chunk: tokens per chunk in the log-prob kernel (None = all).
+        log_entropy: compute the policy entropy for metrics (one more reduction).
+    """
+
+    temperature: float = 1.0
+    ess_scope: str = "step"
+    nonfinite: str = "error"
+    logprob_chunk: Optional[int] = None
+    log_entropy: bool = True
+
+    def __post_init__(self):
+        if self.ess_scope not in ("step", "microbatch"):
+            raise ValueError(f"loss.ess_scope={self.ess_scope!r}: use 'step' or 'microbatch'")
+        if self.nonfinite not in ("error", "mask"):
+            raise ValueError(f"loss.nonfinite={self.nonfinite!r}: use 'error' or 'mask'")
+        if self.temperature <= 0:
+            raise ValueError(f"loss.temperature={self.temperature} must be > 0")
+
+
+class StepLoss:
+    def __init__(self, objective: Objective, groups: ParallelGroups, vocab_size: int,
+                 cfg: StepLossConfig = StepLossConfig()):
+        if objective.spec.whole_sequences and groups.layout.cp > 1:
+            raise ValueError(
+                f"objective {objective.name!r} is nonlinear in each sequence's token sum, and "
+                f"context parallelism (cp={groups.layout.cp}) splits sequences; use cp=1"
+            )
+        self.objective, self.groups, self.vocab_size, self.cfg = objective, groups, vocab_size, cfg
+
+    # -- stage 0: input checks -----------------------------------------------------------------
+    def _check_behaviour_logprobs(self, microbatches: List[MicroBatch]) -> None:
+        """Refuse non-finite ℓb on *every* rank before any collective (no rank is left waiting)."""
+        if self.cfg.nonfinite != "error":
+            return
+        msg = None
+        for mb in microbatches:
+            ids = mb.get("sample_index")
+            try:
+                check_finite("behaviour log-prob ℓb", mb["behavior_logprobs"], mb["loss_mask"].float(),
+                             ids.tolist() if ids is not None else None)
+            except ValueError as e:
+                msg = str(e)
+                break
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            if msg:
+                raise NonFiniteLogprobError(msg)
+            return
+        flag = torch.tensor([1.0 if msg else 0.0])
+        # World group: any rank's bad input must stop every rank, or the others hang in the
+        # next collective.
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            msgs = [None] * dist.get_world_size()
+            # World group: every rank reports the same, first, offending sample.
+            dist.all_gather_object(msgs, msg)
+            first = next((r, m) for r, m in enumerate(msgs) if m)
+            raise NonFiniteLogprobError(first[1] if first[0] == dist.get_rank()
+                                        else f"{first[1]} (found on rank {first[0]})")
+
+    # -- stage 1: counts -------------------------------------------------------------------
+    def _global_counts(self, microbatches: List[MicroBatch]) -> tuple:
+        local = torch.zeros(2, dtype=torch.float64)
+        for mb in microbatches:
+            m = mb["loss_mask"].double()
+            local[0] += m.sum()
+            local[1] += (m.sum(-1) > 0).sum()
+        if self.groups.layout.dp > 1:
+            # DP group: each DP rank holds a disjoint share of the step's sequences (CP ranks of
+            # one DP rank hold the same, not yet CP-sliced, micro-batches: no CP reduction here).
+            dist.all_reduce(local, group=self.groups.dp)
+        n_tok, n_seq = local.tolist()
+        if n_tok <= 0:
+            from .ess import EmptyStepError
+
+            raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
+        return n_tok, n_seq
+
+    def _logprobs(self, batch, logits):
+        lp, ent = vocab_parallel_logprobs(
+            logits, batch["targets"], self.groups.tp, temperature=self.cfg.temperature,
+            chunk_size=self.cfg.logprob_chunk, vocab_size=self.vocab_size,
+            with_entropy=self.cfg.log_entropy or self.objective.needs_entropy)
+        mask = batch["loss_mask"].to(torch.float32)
+        ids = batch.get("sample_index")
+        ids = ids.tolist() if ids is not None else None
+        mask = check_finite("behaviour log-prob ℓb", batch["behavior_logprobs"], mask, ids, self.cfg.nonfinite)
+        mask = check_finite("trainer log-prob ℓθ", lp.detach(), mask, ids, self.cfg.nonfinite)
+        return lp, ent, mask
+
+    def _inputs(self, batch, lp, ent, mask) -> LossInputs:
+        return LossInputs(
+            logprobs=lp, behavior_logprobs=batch["behavior_logprobs"], advantages=batch["advantages"],
+            mask=mask, old_logprobs=batch.get("old_logprobs"), ref_logprobs=batch.get("ref_logprobs"),
+            entropy=ent, rewards=batch.get("rewards"), group_ids=batch.get("group_ids"),
+            lengths=batch.get("seq_len"),
+        )
+
+    def _ess_stats(self, inp: LossInputs) -> torch.Tensor:
+        parts = [ess_stats(inp.logprobs, inp.behavior_logprobs, inp.mask)]
+        if self.objective.needs_ess_prox:
+            parts.append(ess_stats(inp.logprobs, inp.old_logprobs, inp.mask))
+        return torch.cat(parts)
+
+    @staticmethod
+    def _ess_values(stats: torch.Tensor, what: str):
+        ess = ess_from_stats(stats[:3], what)
+        ess_p = ess_from_stats(stats[3:], what + " (prox)") if stats.numel() > 3 else None
+        return ess, ess_p
+
+    # -- stage 2: ESS pre-pass ---------------------------------------------------------------
+    def _ess_prepass(self, chunks, microbatches) -> Optional[tuple]:
+        acc: List[torch.Tensor] = []
+
+        def loss_fn(batch, logits):
+            with torch.no_grad():
+                lp, ent, mask = self._logprobs(batch, logits)
+                acc.append(self._ess_stats(self._inputs(batch, lp, ent, mask)))
+            return torch.zeros(()), 0, {}
+
+        with torch.no_grad():
+            forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=True)
+        if not self.groups.is_last_stage():
+            return None
+        # DP×CP group: Σρ, Σρ², N of the whole optimizer step, all-reduced once.
+        total = all_reduce_stats(torch.stack(acc).sum(0), self.groups.dp_cp)
+        return self._ess_values(total, "optimizer step")
+
+    def _broadcast_from_last_stage(self, values: Optional[tuple]) -> tuple:
+        """Every pipeline stage learns e_B (for logging and checks)."""
+        t = torch.tensor([float("nan") if v is None else v for v in (values or (None, None))],
+                         dtype=torch.float64)
+        if self.groups.layout.pp > 1:
+            # PP group: only the last stage computed log-probs; share e_B with earlier stages.
+            dist.broadcast(t, src=self.groups.last_stage_global_rank(), group=self.groups.pp)
+        return tuple(None if v != v else v for v in t.tolist())
+
+    # -- stage 3: gradient pass --------------------------------------------------------------
+    def run(self, chunks, microbatches: List[MicroBatch], forward_only: bool = False) -> Dict[str, float]:
+        """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step."""
+        for mb in microbatches:
+            mb.setdefault("seq_len", mb["loss_mask"].sum(-1))
+        self._check_behaviour_logprobs(microbatches)
+        n_tok, n_seq = self._global_counts(microbatches)
+        ess = ess_p = None
+        step_scope = self.cfg.ess_scope == "step"
+        if self.objective.needs_ess and step_scope:
+            ess, ess_p = self._broadcast_from_last_stage(self._ess_prepass(chunks, microbatches))
+        acc = StepMetrics()
+        micro_ess: List[float] = []
+        norm = n_seq if self.objective.per_sequence else n_tok
+
+        def loss_fn(batch, logits):
+            lp, ent, mask = self._logprobs(batch, logits)
+            inp = self._inputs(batch, lp, ent, mask)
+            self.objective.check_inputs(inp)
+            e, e_p = ess, ess_p
+            if self.objective.needs_ess and not step_scope:
+                # DP×CP group: micro-batch k of every data/context rank forms one ESS pool.
+                e, e_p = self._ess_values(all_reduce_stats(self._ess_stats(inp), self.groups.dp_cp),
+                                          "micro-batch")
+                micro_ess.append(e)
+            stats = StepStats(n_tokens=n_tok, n_seqs=n_seq, ess=e, ess_prox=e_p)
+            total, pairs = self.objective.terms(inp, stats)
+            loss = total / norm
+            with torch.no_grad():
+                acc.add("loss", loss.detach(), 1.0)
+                for k, (num, den) in pairs.items():
+                    acc.add(k, num, den)
+                dropped = batch["loss_mask"].sum() - mask.sum()
+                acc.add("nonfinite_masked", dropped, 1.0)
+                add_mismatch_metrics(acc, inp)
+            return loss, int(mask.sum().item()), {}
+
+        forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
+        metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
+        if self.groups.is_last_stage():
+            res = finalize_mismatch(acc.reduce(self.groups.dp_cp).result())
+            res["loss"] = acc.sums["loss"][0]  # Σ over micro-batches and DP×CP ranks
+            res["nonfinite_masked"] = acc.sums["nonfinite_masked"][0]
+            metrics.update(res)
+        if ess is not None:
+            metrics["ess"] = ess
+        if ess_p is not None:
+            metrics["ess_prox"] = ess_p
+        if micro_ess:
+            metrics["ess"] = sum(micro_ess) / len(micro_ess)
+            metrics["ess_microbatch_min"] = min(micro_ess)
+        return metrics

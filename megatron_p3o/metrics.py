@@ -1,0 +1,81 @@
+"""Metric reductions: (numerator, denominator) sums, maxima and log-histograms.
+
+Why: metrics of one optimizer step are spread over micro-batches and DP×CP ranks. Means need
+sums and counts, maxima need a MAX reduction, and quantiles (ratio p50/p90/p99) need the whole
+distribution: a fixed log-space histogram summed over ranks gives them to 1% without gathering
+every token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+LOG_HIST_RANGE = 8.0  # log-ratio histogram covers [-8, 8]
+LOG_HIST_BINS = 1600  # bin width 0.01 in log space (≈1% in ratio)
+
+
+class StepMetrics:
+    """Accumulates one step's metrics locally; :meth:`reduce` combines ranks; :meth:`result` reads."""
+
+    def __init__(self):
+        self.sums: Dict[str, list] = defaultdict(lambda: [0.0, 0.0])
+        self.maxes: Dict[str, float] = {}
+        self.hists: Dict[str, Tensor] = {}
+
+    def add(self, name: str, num, den) -> None:
+        s = self.sums[name]
+        s[0] += float(num)
+        s[1] += float(den)
+
+    def add_max(self, name: str, value) -> None:
+        v = float(value)
+        self.maxes[name] = max(self.maxes.get(name, -math.inf), v)
+
+    def add_log_hist(self, name: str, log_values: Tensor) -> None:
+        h = torch.histc(log_values.detach().double().clamp(-LOG_HIST_RANGE, LOG_HIST_RANGE),
+                        bins=LOG_HIST_BINS, min=-LOG_HIST_RANGE, max=LOG_HIST_RANGE)
+        self.hists[name] = self.hists.get(name, torch.zeros(LOG_HIST_BINS, dtype=torch.float64)) + h
+
+    def reduce(self, group: Optional[dist.ProcessGroup]) -> "StepMetrics":
+        """Sum / max over ``group`` (DP×CP on the last stage). Every rank must hold the same names."""
+        if group is None or dist.get_world_size(group) == 1:
+            return self
+        names = sorted(self.sums)
+        if names:
+            t = torch.tensor([self.sums[n] for n in names], dtype=torch.float64)
+            # DP×CP: each rank accumulated a disjoint part of the step's tokens.
+            dist.all_reduce(t, group=group)
+            for n, row in zip(names, t.tolist()):
+                self.sums[n] = row
+        mnames = sorted(self.maxes)
+        if mnames:
+            t = torch.tensor([self.maxes[n] for n in mnames], dtype=torch.float64)
+            # DP×CP: the step's maximum over every rank's tokens.
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            self.maxes.update(zip(mnames, t.tolist()))
+        for n in sorted(self.hists):
+            h = self.hists[n].clone()
+            # DP×CP: histogram counts of the whole step, for global quantiles.
+            dist.all_reduce(h, group=group)
+            self.hists[n] = h
+        return self
+
+    def result(self) -> Dict[str, float]:
+        out = {n: (num / den if den else float("nan")) for n, (num, den) in self.sums.items()}
+        out.update(self.maxes)
+        for n, h in self.hists.items():
+            total = float(h.sum())
+            if total <= 0:
+                continue
+            cdf = torch.cumsum(h, 0) / total
+            width = 2 * LOG_HIST_RANGE / LOG_HIST_BINS
+            for q in (50, 90, 99):
+                i = int(torch.searchsorted(cdf, torch.tensor(q / 100.0, dtype=torch.float64)))
+                out[f"{n}_p{q}"] = math.exp(-LOG_HIST_RANGE + (i + 0.5) * width)
+        return out

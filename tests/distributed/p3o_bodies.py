@@ -1,0 +1,94 @@
+"""Rank bodies for the distributed P3O loss tests (reference: float64, single process, written
+here from the formulas doc, not with the code under test)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_p3o.checkpoint import load_model_state, save_model_state
+from megatron_p3o.loss import build_objective
+from megatron_p3o.loss.step_loss import StepLoss, StepLossConfig
+from megatron_p3o.optim import OptimConfig, wrap_ddp
+
+from .bodies import FAMILIES, SEQ, _build, _split_microbatches, make_batch
+
+RL_BATCH = 6
+
+
+def make_rl_batch(family: str, noise: float = 0.5, seed: int = 11):
+    b = make_batch(family, batch=RL_BATCH)
+    g = torch.Generator().manual_seed(seed)
+    vocab = FAMILIES[family]["vocab_size"]
+    b["behavior_logprobs"] = -math.log(vocab) + noise * torch.randn(RL_BATCH, SEQ, generator=g)
+    adv = torch.randn(RL_BATCH, generator=g)
+    b["advantages"] = adv[:, None].expand(RL_BATCH, SEQ).clone()
+    b["sample_index"] = torch.arange(RL_BATCH)
+    return b
+
+
+def p3o_reference_loss(lp, lb, adv, mask):
+    """P3O per the formulas doc, float64."""
+    d = torch.where(mask > 0, lp - lb, torch.zeros_like(lp))
+    rho = torch.exp(d) * mask
+    n = mask.sum()
+    e = (rho.sum() ** 2 / (n * (rho * rho).sum())).detach()
+    k3 = (d + torch.exp(torch.clamp(-d, -10, 10)) - 1) * mask
+    per = -torch.minimum(rho.detach(), e) * adv * lp + (1 - e) * k3
+    return (per * mask).sum() / n, float(e)
+
+
+def p3o_grads(groups, family: str, init: str, out: str, n_micro: int, scope: str = "step",
+              objective: str = "p3o"):
+    chunks = _build(family, groups)
+    load_model_state(chunks, init)
+    ddp = wrap_ddp(chunks, groups, OptimConfig())
+    step = StepLoss(build_objective(objective), groups, FAMILIES[family]["vocab_size"],
+                    StepLossConfig(ess_scope=scope))
+    for m in ddp:
+        m.zero_grad_buffer()
+    metrics = step.run(ddp, _split_microbatches(make_rl_batch(family), groups, n_micro))
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.copy_(p.main_grad)
+    save_model_state(chunks, out)
+    return metrics
+
+
+def p3o_reference(groups, family: str, init: str, compare_dirs=()):
+    (model,) = _build(family, groups)
+    load_model_state([model], init)
+    b = make_rl_batch(family)
+    vocab = FAMILIES[family]["vocab_size"]
+    pos = torch.arange(SEQ)[None].expand(RL_BATCH, -1)
+    logits = model(b["tokens"], pos, None)
+    lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(-1, b["targets"][..., None])[..., 0]
+    loss, e = p3o_reference_loss(lp, b["behavior_logprobs"].double(), b["advantages"].double(),
+                                 b["loss_mask"].double())
+    loss.backward()
+    ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    errors = {}
+    for d in compare_dirs:
+        (other,) = _build(family, groups)
+        load_model_state([other], d)
+        errors[d] = {n: float((p.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                     for n, p in other.named_parameters()}
+    return {"loss": float(loss), "ess": e, "errors": errors}
+
+
+def nan_behaviour_error(groups, family: str, init: str):
+    """A NaN in ℓb at a valid position must raise an error naming the sample."""
+    chunks = _build(family, groups)
+    load_model_state(chunks, init)
+    ddp = wrap_ddp(chunks, groups, OptimConfig())
+    step = StepLoss(build_objective("p3o"), groups, FAMILIES[family]["vocab_size"])
+    b = make_rl_batch(family)
+    r, t = 4, int(b["loss_mask"][4].nonzero()[0])
+    b["behavior_logprobs"][r, t] = float("nan")
+    try:
+        step.run(ddp, _split_microbatches(b, groups, 1))
+    except ValueError as e:
+        return str(e)
+    return None
