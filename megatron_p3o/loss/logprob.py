@@ -57,19 +57,22 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 # TP group: the max over the whole vocabulary, for a stable log-sum-exp.
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
             ez = torch.exp(z - m[:, None])
-            zt = z.gather(1, local_t[s:e, None]).squeeze(1) if real > 0 else torch.zeros(e - s)
-            parts = [ez.sum(-1), torch.where(in_shard[s:e], zt, torch.zeros_like(zt))]
+            # the target logit in float64, straight from the input (no fp32 rounding of z/T)
+            xt = flat[s:e].gather(1, local_t[s:e, None]).squeeze(1).double() * inv_t
+            parts = [ez.sum(-1).double(), torch.where(in_shard[s:e], xt, torch.zeros_like(xt))]
             if with_entropy:
-                parts.append((ez * z).sum(-1))
+                parts.append((ez * z).sum(-1).double())
             sums = torch.stack(parts)
             if tp_group is not None:
                 # TP group: Σexp, the target logit (held by one rank) and Σexp·z over all shards.
                 dist.all_reduce(sums, group=tp_group)
-            chunk_lse = m + torch.log(sums[0])
-            lse[s:e] = chunk_lse
-            logp[s:e] = sums[1] - chunk_lse
+            # per-token combination in float64: the fp32 sums are exact enough, their
+            # differences (z_y − lse) are where fp32 would lose digits.
+            chunk_lse = m.double() + torch.log(sums[0])
+            lse[s:e] = chunk_lse.float()
+            logp[s:e] = (sums[1] - chunk_lse).float()
             if with_entropy:
-                ent[s:e] = chunk_lse - sums[2] / sums[0]
+                ent[s:e] = (chunk_lse - sums[2] / sums[0]).float()
         ctx.save_for_backward(logits, local_t, in_shard, lse, ent if with_entropy else lse)
         ctx.cfg = (inv_t, real, step, with_entropy)
         out_ent = ent.reshape(lead) if with_entropy else None

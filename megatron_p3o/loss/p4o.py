@@ -36,8 +36,9 @@ def p4o_terms(inp: LossInputs, stats: StepStats, h: P4OConfig):
     per_tok = -torch.clamp(rho, max=e) * inp.advantages.detach() * inp.logprobs
     if 1.0 - e >= 1e-6:
         wb, wp = 1.0 - e_b, 1.0 - e_p
-        lb = inp.behavior_logprobs.float() + math.log(wb + h.delta)
-        lp = inp.old_logprobs.float() + math.log(wp + h.delta)
+        dt = torch.promote_types(inp.logprobs.dtype, torch.float32)
+        lb = inp.behavior_logprobs.to(dt) + math.log(wb + h.delta)
+        lp = inp.old_logprobs.to(dt) + math.log(wp + h.delta)
         mix = torch.logaddexp(lb, lp) - math.log(wb + wp + 2 * h.delta)
         per_tok = per_tok + (1.0 - e) * k3(inp.logprobs, mix, m, h.k3_clamp)
     return (per_tok * m).sum(), {"frac_rho_above_ess": (((rho > e).float() * m).sum(), m.sum())}

@@ -128,7 +128,7 @@ def build_objective(name: str, **hyper) -> Objective:
 def broadcast_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     """Per-sequence ``[B]`` advantages → per-token ``[B, T]``; ``[B, T]`` passes through."""
     if advantages.dim() == 1:
-        return advantages[:, None].expand_as(mask).to(torch.float32)
+        return advantages[:, None].expand_as(mask).to(torch.promote_types(advantages.dtype, torch.float32))
     if advantages.shape != mask.shape:
         raise ValueError(f"advantages {tuple(advantages.shape)} match neither [B] nor mask {tuple(mask.shape)}")
     return advantages

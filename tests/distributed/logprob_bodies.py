@@ -1,0 +1,28 @@
+"""Rank body: vocab-parallel log-probs of a shared random logits tensor, sharded by TP rank."""
+
+import torch
+
+from megatron_p3o.loss import vocab_parallel_logprobs
+
+N_TOK, VOCAB, VPAD = 37, 300, 320
+
+
+def full_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = 1.2 * torch.randn(3, N_TOK, VPAD, generator=g)
+    logits[..., VOCAB:] = 50.0  # padded columns must not count, however large
+    targets = torch.randint(0, VOCAB, (3, N_TOK), generator=g)
+    w_lp = torch.randn(3, N_TOK, generator=g)
+    w_h = torch.randn(3, N_TOK, generator=g)
+    return logits, targets, w_lp, w_h
+
+
+def shard_logprobs(groups, temperature: float, chunk_size, dtype: str = "float32"):
+    logits, targets, w_lp, w_h = full_inputs()
+    tp, r = groups.layout.tp, groups.tp_rank
+    v = VPAD // tp
+    shard = logits[..., r * v:(r + 1) * v].to(getattr(torch, dtype)).clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(shard, targets, groups.tp, temperature=temperature,
+                                      chunk_size=chunk_size, with_entropy=True, vocab_size=VOCAB)
+    ((lp * w_lp).sum() + (ent * w_h).sum()).backward()
+    return {"lp": lp.detach(), "ent": ent.detach(), "grad": shard.grad.float(), "tp_rank": r}

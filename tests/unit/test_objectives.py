@@ -1,0 +1,207 @@
+"""Every objective's loss and gradient w.r.t. ℓθ against an independent float64 implementation
+written here from ``shared/docs/objectives.md`` (no code under test is called by the references)."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_p3o.loss import NonFiniteLogprobError, policy_loss
+from megatron_p3o.loss.ess import EmptyStepError
+
+B, T = 6, 7
+
+
+def _data(old_noise: float, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lp = -1.5 + 0.7 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lb = lp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lold = lp + old_noise * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lref = lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.25).double()
+    mask[2] = 0.0  # a sequence with no valid token
+    mask[0, :3] = 1.0
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    rewards = torch.rand(B, generator=g, dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    lb = torch.where(mask > 0, lb, torch.full_like(lb, float("nan")))  # garbage at padding
+    return dict(lp=lp, lb=lb, lold=lold, lref=lref, mask=mask, adv=adv, rewards=rewards, groups=groups)
+
+
+def _d(a, b, m):
+    return torch.where(m > 0, a - b, torch.zeros_like(a))
+
+
+def _ess(lp, anchor, m):
+    rho = torch.exp(_d(lp, anchor, m)) * m
+    return (rho.sum() ** 2 / (m.sum() * (rho ** 2).sum())).item()
+
+
+def _k3(lp, anchor, m):
+    d = _d(lp, anchor.detach(), m)
+    return (d + torch.exp(torch.clamp(-d, -10, 10)) - 1) * m
+
+
+def _tok_mean(x, m):
+    return (x * m).sum() / m.sum()
+
+
+def _seq_mean_tok_mean(x, m):
+    has = m.sum(-1) > 0
+    per = (x * m).sum(-1)[has] / m.sum(-1)[has]
+    return per.mean()
+
+
+def _surr(r, A, lo, hi):
+    return -torch.minimum(r * A, torch.clamp(r, 1 - lo, 1 + hi) * A)
+
+
+def ref_loss(name, x):
+    lp, lb, lold, lref, m = x["lp"], x["lb"], x["lold"], x["lref"], x["mask"]
+    A = x["adv"][:, None].expand(B, T)
+    if name == "p3o":
+        e = _ess(lp, lb, m)
+        rho = torch.exp(_d(lp, lb, m)).detach()
+        return _tok_mean(-torch.clamp(rho, max=e) * A * lp + (1 - e) * _k3(lp, lb, m), m)
+    if name == "reinforce":
+        return _tok_mean(-A * lp, m)
+    if name in ("ppo", "grpo", "dapo", "tis", "mis"):
+        old = lold  # ℓold given; without it the objectives fall back to ℓb ("bypass")
+        r = torch.exp(_d(lp, old.detach(), m))
+        s = _surr(r, A, 0.2, 0.28 if name == "dapo" else 0.2)
+        if name == "tis":
+            s = s * torch.clamp(torch.exp(_d(lold, lb, m)), max=2.0)
+        if name == "mis":
+            v = torch.exp(_d(lold, lb, m))
+            s = s * ((v >= 0.5) & (v <= 2.0)).double()
+        return _seq_mean_tok_mean(s, m) if name == "grpo" else _tok_mean(s, m)
+    if name in ("gspo", "gspo_token"):
+        has = m.sum(-1) > 0
+        d = _d(lp, lold.detach(), m)
+        s = torch.exp(d.sum(-1) / m.sum(-1).clamp_min(1))
+        if name == "gspo":
+            loss_i = _surr(s, x["adv"], 3e-4, 4e-4)
+            return loss_i[has].mean()
+        st = s.detach()[:, None] * torch.exp(lp - lp.detach())
+        return _seq_mean_tok_mean(_surr(st, A, 3e-4, 4e-4), m)
+    if name == "cispo":
+        rho = torch.exp(_d(lp, lb, m)).detach()
+        return _tok_mean(-torch.clamp(rho, max=1.28) * A * lp, m)
+    if name == "decoupled_ppo":
+        u = torch.exp(_d(lp, lold.detach(), m))
+        w = torch.exp(_d(lold, lb, m)).detach()
+        loss = w * torch.maximum(-A * u, -A * torch.clamp(u, 0.8, 1.2))
+        return _tok_mean(loss * (w <= 5.0).double(), m)
+    if name == "oapl":
+        r = x["rewards"]
+        a_star = torch.empty_like(r)
+        for g in (0, 1):
+            sel = x["groups"] == g
+            v = math.log(torch.exp(r[sel]).mean().item())
+            a_star[sel] = r[sel] - v
+        has = m.sum(-1) > 0
+        res = 1e-3 * _d(lp, lb, m).sum(-1) - a_star
+        return (res[has] ** 2).mean()
+    if name == "p4o":
+        eb, ep = _ess(lp, lb, m), _ess(lp, lold, m)
+        e = min(eb, ep)
+        rho = torch.exp(_d(lp, lb, m)).detach()
+        wb, wp, dl = 1 - eb, 1 - ep, 1e-6
+        lbs = torch.where(m > 0, lb, torch.zeros_like(lb))
+        mix = torch.logsumexp(torch.stack([math.log(wb + dl) + lbs, math.log(wp + dl) + lold]), 0) \
+            - math.log(wb + wp + 2 * dl)
+        return _tok_mean(-torch.clamp(rho, max=e) * A * lp + (1 - e) * _k3(lp, mix, m), m)
+    raise KeyError(name)
+
+
+NAMES = ["p3o", "p4o", "reinforce", "ppo", "grpo", "dapo", "tis", "mis", "gspo", "gspo_token",
+         "cispo", "decoupled_ppo", "oapl"]
+
+
+@pytest.mark.parametrize("old_noise", [0.3, 1e-4])
+@pytest.mark.parametrize("name", NAMES)
+def test_objective_matches_float64_reference(name, old_noise):
+    x = _data(old_noise)
+    lp = x["lp"].clone().requires_grad_()
+    loss, metrics = policy_loss(name, lp, x["lb"], x["adv"], x["mask"], old_logprobs=x["lold"],
+                                ref_logprobs=x["lref"], rewards=x["rewards"], group_ids=x["groups"])
+    (g,) = torch.autograd.grad(loss, lp)
+    lp_ref = x["lp"].clone().requires_grad_()
+    ref = ref_loss(name, {**x, "lp": lp_ref})
+    (g_ref,) = torch.autograd.grad(ref, lp_ref)
+    assert torch.isfinite(loss) and abs(float(loss) - float(ref)) <= 1e-9 * max(1.0, abs(float(ref))), (float(loss), float(ref))
+    assert g_ref.abs().sum() > 0
+    assert torch.allclose(g, g_ref, rtol=1e-7, atol=1e-10), (g - g_ref).abs().max()
+    assert (g[x["mask"] == 0] == 0).all(), "padded tokens must get no gradient"
+    if name in ("p3o", "p4o"):
+        assert abs(metrics["ess"] - _ess(x["lp"], x["lb"], x["mask"])) < 1e-12
+
+
+def test_per_token_advantages_equal_broadcast_per_sequence():
+    x = _data(0.3)
+    a, _ = policy_loss("p3o", x["lp"], x["lb"], x["adv"], x["mask"])
+    b, _ = policy_loss("p3o", x["lp"], x["lb"], x["adv"][:, None].expand(B, T), x["mask"])
+    assert float(a) == float(b)
+
+
+def test_ess_is_one_on_policy_and_falls_with_noise():
+    x = _data(0.3)
+    _, m0 = policy_loss("p3o", x["lp"], x["lp"].detach(), x["adv"], x["mask"])
+    assert abs(m0["ess"] - 1.0) < 1e-12
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(B, T, generator=g, dtype=torch.float64)
+    esses = [policy_loss("p3o", x["lp"], x["lp"] + s * z, x["adv"], x["mask"])[1]["ess"]
+             for s in (0.05, 0.2, 0.5, 1.0, 2.0)]
+    assert all(a > b for a, b in zip(esses, esses[1:])), esses
+    assert esses[-1] > 1.0 / x["mask"].sum()
+
+
+def test_p3o_keeps_gradient_where_grpo_clips():
+    """A token with ρ = e² ≫ 1+ε and A > 0: GRPO's gradient is exactly zero there, P3O's is not."""
+    lp = torch.full((1, 4), -2.0, dtype=torch.float64, requires_grad=True)
+    lb = torch.tensor([[-4.0, -2.0, -2.1, -1.9]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    (g_p3o,) = torch.autograd.grad(policy_loss("p3o", lp, lb, adv, mask)[0], lp)
+    (g_grpo,) = torch.autograd.grad(policy_loss("grpo", lp, lb, adv, mask)[0], lp)
+    assert g_grpo[0, 0] == 0.0
+    assert g_p3o[0, 0] < -1e-3  # descent raises ℓθ: the token keeps a capped, nonzero push
+
+
+def test_nan_behaviour_logprob_names_the_sample():
+    x = _data(0.3)
+    lb = x["lb"].clone()
+    lb[4, int(x["mask"][4].nonzero()[0])] = float("nan")
+    with pytest.raises(NonFiniteLogprobError, match="sample 'prompt-17/4'"):
+        policy_loss("p3o", x["lp"], lb, x["adv"], x["mask"],
+                    sample_ids=[f"prompt-17/{i}" for i in range(B)])
+
+
+def test_empty_step_is_an_error_not_ess_one():
+    x = _data(0.3)
+    with pytest.raises(EmptyStepError):
+        policy_loss("p3o", x["lp"], x["lb"], x["adv"], torch.zeros(B, T))
+
+
+def test_unknown_objective_and_hyper_are_named():
+    x = _data(0.3)
+    with pytest.raises(ValueError, match="did you mean .gspo_token."):
+        policy_loss("gspo_tokn", x["lp"], x["lb"], x["adv"], x["mask"])
+    with pytest.raises(ValueError, match="unknown hyper-parameter 'eps_hgh'.*did you mean 'eps_high'"):
+        policy_loss("dapo", x["lp"], x["lb"], x["adv"], x["mask"], eps_hgh=0.3)
+
+
+def test_metrics_quantiles_and_fractions():
+    x = _data(0.3)
+    _, met = policy_loss("p3o", x["lp"], x["lb"], x["adv"], x["mask"])
+    m = x["mask"] > 0
+    rho = torch.exp(x["lp"] - x["lb"])[m]
+    assert abs(met["ratio_mean"] - rho.mean().item()) < 1e-9
+    assert abs(met["ratio_max"] - rho.max().item()) < 1e-9
+    assert abs(met["ratio_std"] - rho.std(unbiased=False).item()) < 1e-6
+    srt = rho.sort().values
+    for q in (50, 90, 99):
+        exact = srt[math.ceil(q / 100 * len(srt)) - 1].item()  # nearest-rank quantile
+        assert abs(math.log(met[f"ratio_p{q}"] / exact)) < 0.011, (q, met[f"ratio_p{q}"], exact)
+    assert abs(met["frac_rho_above_ess"] - (rho > met["ess"]).double().mean().item()) < 1e-12
+    assert abs(met["abs_logprob_diff"] - (x["lp"] - x["lb"])[m].abs().mean().item()) < 1e-9
