@@ -1,10 +1,14 @@
 """Log-probabilities (and entropy) of target tokens from vocabulary-parallel logits.
 
 Why: every objective needs ℓθ(y_t) = log softmax(z_t / T)[y_t] from logits that are split over
-the tensor-parallel group along the vocabulary. Megatron's ``vocab_parallel_cross_entropy`` keeps
-a full fp32 softmax for backward and has no temperature, entropy, padding or chunking. This module
-keeps only per-token statistics (max, log-sum-exp) for backward and recomputes the softmax there
-chunk by chunk, so peak memory stays one chunk above the logits themselves.
+the tensor-parallel group along the vocabulary. Megatron's ``vocab_parallel_cross_entropy`` has
+no temperature, entropy, padding or chunking, and for bf16 logits keeps a full fp32 softmax for
+backward. Here only per-token statistics are kept; work happens in row blocks through one reused
+fp32 scratch buffer (on CPUs, fresh multi-hundred-MB allocations cost more than the maths).
+
+With ``inplace_backward=True`` (the training path: the logits feed only this loss) the logits'
+own storage is reused, as Megatron does: fp32 logits hold exp(z − m) after the forward, and the
+gradient is written into that storage, so no full-size tensor is allocated at all.
 
 Maths (per token, vocab shard ``v`` of rank r, temperature T, padded columns dropped):
     z = logits / T;   m = max_v z (all-reduce MAX over TP);   S = Σ_v exp(z − m) (all-reduce SUM)
@@ -20,6 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# rows per block: the fp32 scratch stays ≈ 32 MB whatever the vocabulary
+_BLOCK_ELEMS = 8 * 2**20
+
 
 def _shard_bounds(v_local: int, tp_group, vocab_size: Optional[int]) -> Tuple[int, int]:
     """(first global id of this shard, number of real, non-padded columns in it)."""
@@ -29,10 +36,18 @@ def _shard_bounds(v_local: int, tp_group, vocab_size: Optional[int]) -> Tuple[in
     return start, real
 
 
+def _block_rows(n: int, real: int, chunk_size: Optional[int]) -> int:
+    rows = max(1, _BLOCK_ELEMS // max(real, 1))
+    if chunk_size is not None:
+        rows = min(rows, chunk_size)
+    return max(1, min(rows, n))
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, tp_group, temperature: float,
-                vocab_size: Optional[int], chunk_size: Optional[int], with_entropy: bool):
+                vocab_size: Optional[int], chunk_size: Optional[int], with_entropy: bool,
+                inplace: bool):
         v_local = logits.shape[-1]
         lead = logits.shape[:-1]
         flat = logits.reshape(-1, v_local)
@@ -42,69 +57,100 @@ class _VocabParallelLogprob(torch.autograd.Function):
         local_t = tgt - start
         in_shard = (local_t >= 0) & (local_t < real)
         local_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
-        step = chunk_size or max(n, 1)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        logp = torch.empty_like(lse)
-        ent = torch.empty_like(lse) if with_entropy else None
         inv_t = 1.0 / temperature
-        for s in range(0, n, step):
-            e = min(n, s + step)
-            z = flat[s:e, :real].float()
+        # the fp32 logits' own storage can hold exp(z − m) for backward (training path)
+        keep_exp = inplace and flat.dtype == torch.float32 and flat.is_contiguous()
+        rows = _block_rows(n, real, chunk_size)
+        scratch = None if keep_exp else torch.empty(rows, max(real, 1), dtype=torch.float32,
+                                                    device=logits.device)
+        m_all = torch.empty(n, dtype=torch.float32, device=logits.device)
+        stats = torch.empty(3 if with_entropy else 2, n, dtype=torch.float64, device=logits.device)
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            x = flat[s:e, :real]
+            # the target logit in float64 straight from the input, before any rounding
+            stats[1, s:e] = torch.where(in_shard[s:e], x.gather(1, local_t[s:e, None]).squeeze(1).double(),
+                                        torch.zeros(e - s, dtype=torch.float64)) * inv_t
+            w = x if keep_exp else scratch[:e - s, :real]
+            if w is not x:
+                w.copy_(x)
             if inv_t != 1.0:
-                z = z * inv_t
-            m = z.max(dim=-1).values if real > 0 else torch.full((e - s,), -float("inf"))
-            if tp_group is not None:
-                # TP group: the max over the whole vocabulary, for a stable log-sum-exp.
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-            ez = torch.exp(z - m[:, None])
-            # the target logit in float64, straight from the input (no fp32 rounding of z/T)
-            xt = flat[s:e].gather(1, local_t[s:e, None]).squeeze(1).double() * inv_t
-            parts = [ez.sum(-1).double(), torch.where(in_shard[s:e], xt, torch.zeros_like(xt))]
+                w.mul_(inv_t)
+            m = w.amax(-1) if real > 0 else torch.full((e - s,), -float("inf"))
+            m_all[s:e] = m
+        if tp_group is not None:
+            # TP group: the max over the whole vocabulary, for a stable log-sum-exp.
+            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            x = flat[s:e, :real]
+            if keep_exp:
+                w = x  # already scaled by 1/T in the first pass
+            else:
+                w = scratch[:e - s, :real].copy_(x)
+                if inv_t != 1.0:
+                    w.mul_(inv_t)
+            w.sub_(m_all[s:e, None])
             if with_entropy:
-                parts.append((ez * z).sum(-1).double())
-            sums = torch.stack(parts)
-            if tp_group is not None:
-                # TP group: Σexp, the target logit (held by one rank) and Σexp·z over all shards.
-                dist.all_reduce(sums, group=tp_group)
-            # per-token combination in float64: the fp32 sums are exact enough, their
-            # differences (z_y − lse) are where fp32 would lose digits.
-            chunk_lse = m.double() + torch.log(sums[0])
-            lse[s:e] = chunk_lse.float()
-            logp[s:e] = (sums[1] - chunk_lse).float()
-            if with_entropy:
-                ent[s:e] = (chunk_lse - sums[2] / sums[0]).float()
-        ctx.save_for_backward(logits, local_t, in_shard, lse, ent if with_entropy else lse)
-        ctx.cfg = (inv_t, real, step, with_entropy)
-        out_ent = ent.reshape(lead) if with_entropy else None
-        return logp.reshape(lead), out_ent
+                stats[2, s:e] = (torch.exp(w) * w).sum(-1).double()  # Σ e^{z−m}(z−m)
+            w.exp_()
+            stats[0, s:e] = w.sum(-1).double()
+        if tp_group is not None:
+            # TP group: Σexp, the target logit (held by one rank) and Σexp·(z−m) over all shards.
+            dist.all_reduce(stats, group=tp_group)
+        # per-token combination in float64: z_y − lse is where fp32 would lose digits
+        log_s = torch.log(stats[0])
+        lse = m_all.double() + log_s
+        logp = (stats[1] - lse).float()
+        ent = (log_s - stats[2] / stats[0]).float() if with_entropy else None
+        ctx.save_for_backward(logits, local_t, in_shard, m_all, log_s.float(),
+                              ent if with_entropy else m_all)
+        ctx.cfg = (inv_t, real, rows, with_entropy, keep_exp, inplace)
+        return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)
 
     @staticmethod
     def backward(ctx, g_logp: Tensor, g_ent: Optional[Tensor]):
-        logits, local_t, in_shard, lse, ent = ctx.saved_tensors
-        inv_t, real, step, with_entropy = ctx.cfg
+        logits, local_t, in_shard, m_all, log_s, ent = ctx.saved_tensors
+        inv_t, real, rows, with_entropy, keep_exp, inplace = ctx.cfg
         v_local = logits.shape[-1]
         flat = logits.reshape(-1, v_local)
         n = flat.shape[0]
-        grad = torch.zeros_like(flat)
+        # the gradient goes into the logits' storage (training path) or a fresh tensor
+        grad = flat if inplace and flat.is_contiguous() else torch.empty_like(flat)
+        if real < v_local:
+            grad[:, real:] = 0  # padded vocabulary columns get no gradient
         g_lp = g_logp.reshape(-1).float() if g_logp is not None else torch.zeros(n)
         use_ent = with_entropy and g_ent is not None
         g_h = g_ent.reshape(-1).float() if use_ent else None
-        for s in range(0, n, step):
-            e = min(n, s + step)
-            z = flat[s:e, :real].float()
-            if inv_t != 1.0:
-                z = z * inv_t
-            logp_all = z - lse[s:e, None]
-            p = torch.exp(logp_all)
-            gz = p * (-g_lp[s:e, None])
+        hit = torch.where(in_shard, g_lp, torch.zeros_like(g_lp)) * inv_t
+        direct = grad.dtype == torch.float32
+        scratch = None if direct else torch.empty(rows, max(real, 1), dtype=torch.float32)
+        lse = m_all + log_s
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            out = grad[s:e, :real] if direct else scratch[:e - s, :real]
+            if keep_exp:
+                # storage holds exp(z − m): p = e^{z−m} / S
+                p = out
+                p.mul_(torch.exp(-log_s[s:e])[:, None])
+            else:
+                out.copy_(flat[s:e, :real])
+                if inv_t != 1.0:
+                    out.mul_(inv_t)
+                p = out.sub_(lse[s:e, None]).exp_()
             if use_ent:
-                gz -= g_h[s:e, None] * p * (logp_all + ent[s:e, None])
-            rows = torch.arange(e - s, device=gz.device)
-            gz[rows, local_t[s:e]] += torch.where(in_shard[s:e], g_lp[s:e], torch.zeros_like(g_lp[s:e]))
+                # ∂H/∂z = −p (log p + H); ∂ℓ/∂z = onehot − p
+                logp_all = torch.log(p)
+                p.mul_(logp_all.add_(ent[s:e, None]).mul_(-g_h[s:e, None]).sub_(g_lp[s:e, None]))
+            else:
+                p.mul_(-g_lp[s:e, None])
             if inv_t != 1.0:
-                gz *= inv_t
-            grad[s:e, :real] = gz.to(grad.dtype)
-        return grad.reshape(logits.shape), None, None, None, None, None, None
+                p.mul_(inv_t)
+            r = torch.arange(e - s, device=p.device)
+            p[r, local_t[s:e]] += hit[s:e]
+            if not direct:
+                grad[s:e, :real].copy_(p)
+        return grad.reshape(logits.shape), None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -115,18 +161,24 @@ def vocab_parallel_logprobs(
     chunk_size: Optional[int] = None,
     with_entropy: bool = False,
     vocab_size: Optional[int] = None,
+    inplace_backward: bool = False,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Log-prob of each target token (and the entropy) under softmax(logits / temperature).
 
     Args:
         logits: ``[..., V/tp]`` this rank's contiguous vocabulary shard (any float dtype;
-            accumulation is fp32). Rank r of ``tp_group`` holds global ids ``[r·V/tp, (r+1)·V/tp)``.
+            accumulation is fp32, per-token results are combined in float64). Rank r of
+            ``tp_group`` holds global ids ``[r·V/tp, (r+1)·V/tp)``.
         target_ids: ``[...]`` global token ids.
         tp_group: the tensor-parallel group the vocabulary is split over; None = whole vocab here.
         temperature: sampling temperature T; the distribution is softmax(logits / T).
-        chunk_size: tokens per chunk (bounds the fp32 temporaries); None = all at once.
+        chunk_size: at most this many tokens per block (bounds the fp32 temporaries further);
+            None = blocks of ≈32 MB.
         with_entropy: also return the entropy of softmax(logits / T) per token.
         vocab_size: true vocabulary size; padded columns (global id ≥ vocab_size) are excluded.
+        inplace_backward: reuse the logits' storage for intermediate values and the gradient
+            (saves a full-size tensor; the logits' values are destroyed). Only when nothing
+            else reads the logits after this call, as in the training loss.
 
     Returns:
         ``(logprobs [...] fp32, entropy [...] fp32 or None)``; differentiable w.r.t. ``logits``.
@@ -142,5 +194,6 @@ def vocab_parallel_logprobs(
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
     return _VocabParallelLogprob.apply(
-        logits, target_ids.long(), tp_group, float(temperature), vocab_size, chunk_size, with_entropy
+        logits, target_ids.long(), tp_group, float(temperature), vocab_size, chunk_size,
+        with_entropy, inplace_backward,
     )

@@ -44,6 +44,8 @@ class StepLossConfig:
         nonfinite: "error" (default) or "mask" (drop and count) for NaN/inf log-probs.
         logprob_chunk: tokens per chunk in the log-prob kernel (None = all).
         log_entropy: compute the policy entropy for metrics (one more reduction).
+        prepass_fuse: micro-batches concatenated into one no-grad forward of the ESS pre-pass
+            (fewer, larger forwards; costs k micro-batches' logits at once, no activations).
     """
 
     temperature: float = 1.0
@@ -51,8 +53,11 @@ class StepLossConfig:
     nonfinite: str = "error"
     logprob_chunk: Optional[int] = None
     log_entropy: bool = True
+    prepass_fuse: int = 4
 
     def __post_init__(self):
+        if self.prepass_fuse < 1:
+            raise ValueError(f"loss.prepass_fuse={self.prepass_fuse} must be >= 1")
         if self.ess_scope not in ("step", "microbatch"):
             raise ValueError(f"loss.ess_scope={self.ess_scope!r}: use 'step' or 'microbatch'")
         if self.nonfinite not in ("error", "mask"):
@@ -119,11 +124,13 @@ class StepLoss:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
         return n_tok, n_seq
 
-    def _logprobs(self, batch, logits):
+    def _logprobs(self, batch, logits, entropy: bool = True):
+        # the logits feed only this loss: their storage is reused for the gradient
         lp, ent = vocab_parallel_logprobs(
             logits, batch["targets"], self.groups.tp, temperature=self.cfg.temperature,
             chunk_size=self.cfg.logprob_chunk, vocab_size=self.vocab_size,
-            with_entropy=self.cfg.log_entropy or self.objective.needs_entropy)
+            with_entropy=entropy and (self.cfg.log_entropy or self.objective.needs_entropy),
+            inplace_backward=True)
         mask = batch["loss_mask"].to(torch.float32)
         ids = batch.get("sample_index")
         ids = ids.tolist() if ids is not None else None
@@ -157,12 +164,16 @@ class StepLoss:
 
         def loss_fn(batch, logits):
             with torch.no_grad():
-                lp, ent, mask = self._logprobs(batch, logits)
+                lp, ent, mask = self._logprobs(batch, logits, entropy=False)
                 acc.append(self._ess_stats(self._inputs(batch, lp, ent, mask)))
             return torch.zeros(()), 0, {}
 
+        k = self.cfg.prepass_fuse
+        fused = [_concat(microbatches[i:i + k]) for i in range(0, len(microbatches), k)]
+        if len({tuple(mb["tokens"].shape) for mb in fused}) > 1:
+            fused = microbatches  # a ragged last group: keep the schedule's shapes uniform
         with torch.no_grad():
-            forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=True)
+            forward_backward(chunks, self.groups, fused, loss_fn, forward_only=True)
         if not self.groups.is_last_stage():
             return None
         # DP×CP group: Σρ, Σρ², N of the whole optimizer step, all-reduced once.
@@ -230,3 +241,10 @@ class StepLoss:
             metrics["ess"] = sum(micro_ess) / len(micro_ess)
             metrics["ess_microbatch_min"] = min(micro_ess)
         return metrics
+
+
+def _concat(mbs: List[MicroBatch]) -> MicroBatch:
+    """Micro-batches stacked along the batch dimension (same keys, same sequence length)."""
+    if len(mbs) == 1:
+        return mbs[0]
+    return {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if torch.is_tensor(mbs[0][k])}

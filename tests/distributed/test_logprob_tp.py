@@ -9,34 +9,38 @@ from megatron_p3o.parallel import Layout
 from . import logprob_bodies as lb
 
 
-def _reference(temperature, dtype=torch.float32):
+def _reference(temperature, dtype=torch.float32, entropy=True):
     logits, targets, w_lp, w_h = lb.full_inputs()
     x = logits.to(dtype).double().requires_grad_()
     logp = torch.log_softmax(x[..., :lb.VOCAB] / temperature, -1)
     lp = logp.gather(-1, targets[..., None])[..., 0]
     ent = -(logp.exp() * logp).sum(-1)
-    ((lp * w_lp).sum() + (ent * w_h).sum()).backward()
+    ((lp * w_lp).sum() + ((ent * w_h).sum() if entropy else 0.0)).backward()
     return lp.detach(), ent.detach(), x.grad
 
 
-def _check(results, temperature, tol, dtype=torch.float32):
-    lp_ref, ent_ref, g_ref = _reference(temperature, dtype)
+def _check(results, temperature, tol, dtype=torch.float32, entropy=True):
+    lp_ref, ent_ref, g_ref = _reference(temperature, dtype, entropy)
     tp = len({r["tp_rank"] for r in results})
     grad = torch.cat([next(r for r in results if r["tp_rank"] == k)["grad"] for k in range(tp)], -1)
     for r in results:
         assert (r["lp"] - lp_ref).abs().max() < tol
-        assert (r["ent"] - ent_ref).abs().max() < tol
+        if entropy:
+            assert (r["ent"] - ent_ref).abs().max() < tol
     assert (grad.double() - g_ref).abs().max() < tol
     assert (grad[..., lb.VOCAB:] == 0).all(), "padded columns got gradient"
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("entropy", [False, True])
 @pytest.mark.parametrize("chunk", [None, 5])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_tp1(temperature, chunk):
+def test_tp1(temperature, chunk, entropy, inplace):
     from types import SimpleNamespace
 
     groups = SimpleNamespace(layout=SimpleNamespace(tp=1), tp_rank=0, tp=None)
-    _check([lb.shard_logprobs(groups, temperature, chunk)], temperature, 1e-6)
+    res = lb.shard_logprobs(groups, temperature, chunk, inplace=inplace, entropy=entropy)
+    _check([res], temperature, 1e-6, entropy=entropy)
 
 
 def test_tp1_bf16_logits_accumulate_in_fp32():
@@ -50,7 +54,9 @@ def test_tp1_bf16_logits_accumulate_in_fp32():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,chunk", [(2, None), (2, 5), (4, 8)])
-def test_tp_sharded(pools, world, chunk):
-    results = pools(world).run(lb.shard_logprobs, Layout(tp=world), temperature=0.7, chunk_size=chunk)
+@pytest.mark.parametrize("world,chunk,inplace", [(2, None, False), (2, 5, True), (4, 8, False),
+                                                 (4, None, True)])
+def test_tp_sharded(pools, world, chunk, inplace):
+    results = pools(world).run(lb.shard_logprobs, Layout(tp=world), temperature=0.7, chunk_size=chunk,
+                               inplace=inplace)
     _check(results, 0.7, 1e-6)
