@@ -15,7 +15,7 @@ Order of one optimizer step (``StepLoss.run``):
 
 Micro-batch keys: ``tokens``, ``targets``, ``loss_mask``, ``behavior_logprobs``, ``advantages``
 (all ``[b, s]``, aligned with ``targets``), optionally ``old_logprobs``, ``ref_logprobs``,
-``rewards`` / ``group_ids`` / ``sample_index`` (``[b]``).
+``sample_index`` (``[b]``). OAPL's A* arrives in ``advantages`` (see ``oapl_advantages``).
 """
 
 from __future__ import annotations
@@ -142,8 +142,9 @@ class StepLoss:
         return LossInputs(
             logprobs=lp, behavior_logprobs=batch["behavior_logprobs"], advantages=batch["advantages"],
             mask=mask, old_logprobs=batch.get("old_logprobs"), ref_logprobs=batch.get("ref_logprobs"),
-            entropy=ent, rewards=batch.get("rewards"), group_ids=batch.get("group_ids"),
-            lengths=batch.get("seq_len"),
+            # Group baselines (GRPO's, OAPL's V*) need whole prompt groups, which micro-batches and
+            # DP ranks split: they are computed in the advantage stage and arrive in "advantages".
+            entropy=ent, rewards=None, group_ids=None, lengths=batch.get("seq_len"),
         )
 
     def _ess_stats(self, inp: LossInputs) -> torch.Tensor:

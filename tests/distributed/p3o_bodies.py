@@ -25,6 +25,9 @@ def make_rl_batch(family: str, noise: float = 0.5, seed: int = 11):
     adv = torch.randn(RL_BATCH, generator=g)
     b["advantages"] = adv[:, None].expand(RL_BATCH, SEQ).clone()
     b["sample_index"] = torch.arange(RL_BATCH)
+    b["old_logprobs"] = b["behavior_logprobs"] + 0.2 * torch.randn(RL_BATCH, SEQ, generator=g)
+    b["rewards"] = torch.rand(RL_BATCH, generator=g)
+    b["group_ids"] = torch.arange(RL_BATCH) // 3
     return b
 
 
@@ -48,7 +51,13 @@ def p3o_grads(groups, family: str, init: str, out: str, n_micro: int, scope: str
                     StepLossConfig(ess_scope=scope))
     for m in ddp:
         m.zero_grad_buffer()
-    metrics = step.run(ddp, _split_microbatches(make_rl_batch(family), groups, n_micro))
+    batch = make_rl_batch(family)
+    if objective == "oapl":  # the advantage stage computes A* over whole prompt groups
+        from megatron_p3o.loss.oapl import oapl_advantages
+
+        a_star = oapl_advantages(batch["rewards"], batch["group_ids"]).float()
+        batch["advantages"] = a_star[:, None].expand(RL_BATCH, SEQ).clone()
+    metrics = step.run(ddp, _split_microbatches(batch, groups, n_micro))
     with torch.no_grad():
         for c in chunks:
             for p in c.parameters():
@@ -57,7 +66,7 @@ def p3o_grads(groups, family: str, init: str, out: str, n_micro: int, scope: str
     return metrics
 
 
-def p3o_reference(groups, family: str, init: str, compare_dirs=()):
+def p3o_reference(groups, family: str, init: str, compare_dirs=(), objective: str = "p3o"):
     (model,) = _build(family, groups)
     load_model_state([model], init)
     b = make_rl_batch(family)
@@ -65,8 +74,17 @@ def p3o_reference(groups, family: str, init: str, compare_dirs=()):
     pos = torch.arange(SEQ)[None].expand(RL_BATCH, -1)
     logits = model(b["tokens"], pos, None)
     lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(-1, b["targets"][..., None])[..., 0]
-    loss, e = p3o_reference_loss(lp, b["behavior_logprobs"].double(), b["advantages"].double(),
-                                 b["loss_mask"].double())
+    if objective == "p3o":
+        loss, e = p3o_reference_loss(lp, b["behavior_logprobs"].double(), b["advantages"].double(),
+                                     b["loss_mask"].double())
+    else:
+        from tests.unit.test_objectives import ref_loss
+
+        e = None
+        loss = ref_loss(objective, dict(
+            lp=lp, lb=b["behavior_logprobs"].double(), lold=b["old_logprobs"].double(), lref=None,
+            mask=b["loss_mask"].double(), adv=b["advantages"][:, 0].double(),
+            rewards=b["rewards"].double(), groups=b["group_ids"]))
     loss.backward()
     ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     errors = {}

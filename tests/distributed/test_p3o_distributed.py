@@ -54,3 +54,23 @@ def test_nan_behaviour_logprob_names_the_sample(pools, init_ckpts):
     # sample 4 lives on DP rank 1 (rows 3..5); both ranks stop with the same sample named
     assert all(m is not None and "sample 4" in m and "nan" in m.lower() for m in msgs), msgs
     assert "found on rank 1" in msgs[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("objective,layout,n_micro", [
+    ("grpo", Layout(cp=2), 3),        # sequence-mean of token-means split over CP ranks
+    ("gspo", Layout(dp=2), 3),        # per-sequence ratios
+    ("decoupled_ppo", Layout(tp=2), 1),
+    ("oapl", Layout(pp=2), 3),
+], ids=lambda x: _ids(x))
+def test_baselines_distributed_match_single_process(pools, tmp_path, init_ckpts, objective, layout, n_micro):
+    init = init_ckpts("llama")
+    out = str(tmp_path / "g")
+    per_rank = pools(2).run(p3o_bodies.p3o_grads, layout, family="llama", init=init, out=out,
+                            n_micro=n_micro, objective=objective)
+    ref = pools(2).run(p3o_bodies.p3o_reference, Layout(), family="llama", init=init,
+                       compare_dirs=[out], objective=objective)[0]
+    losses = [m["loss"] for m in per_rank if "loss" in m]
+    assert losses and all(abs(x - ref["loss"]) < 1e-5 * abs(ref["loss"]) + 1e-7 for x in losses), (losses, ref["loss"])
+    bad = {n: e for n, e in ref["errors"][out].items() if not e < 1e-5}
+    assert not bad, f"{objective} {layout}: gradients differ: {bad}"

@@ -58,7 +58,7 @@ def _surr(r, A, lo, hi):
 
 def ref_loss(name, x):
     lp, lb, lold, lref, m = x["lp"], x["lb"], x["lold"], x["lref"], x["mask"]
-    A = x["adv"][:, None].expand(B, T)
+    A = x["adv"][:, None].expand_as(lp)
     if name == "p3o":
         e = _ess(lp, lb, m)
         rho = torch.exp(_d(lp, lb, m)).detach()
@@ -95,7 +95,7 @@ def ref_loss(name, x):
     if name == "oapl":
         r = x["rewards"]
         a_star = torch.empty_like(r)
-        for g in (0, 1):
+        for g in x["groups"].unique():
             sel = x["groups"] == g
             v = math.log(torch.exp(r[sel]).mean().item())
             a_star[sel] = r[sel] - v
@@ -205,3 +205,14 @@ def test_metrics_quantiles_and_fractions():
         assert abs(math.log(met[f"ratio_p{q}"] / exact)) < 0.011, (q, met[f"ratio_p{q}"], exact)
     assert abs(met["frac_rho_above_ess"] - (rho > met["ess"]).double().mean().item()) < 1e-12
     assert abs(met["abs_logprob_diff"] - (x["lp"] - x["lb"])[m].abs().mean().item()) < 1e-9
+
+
+def test_nonfinite_mask_policy_drops_and_keeps_the_rest():
+    from megatron_p3o.loss.ess import check_finite
+
+    x = _data(0.3)
+    lb = x["lb"].clone()
+    t = int(x["mask"][1].nonzero()[0])
+    lb[1, t] = float("inf")
+    m = check_finite("ℓb", lb, x["mask"], policy="mask")
+    assert m[1, t] == 0 and (m.sum() == x["mask"].sum() - 1)
