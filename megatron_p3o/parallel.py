@@ -189,14 +189,14 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
 
     world = dist.get_world_size()
     layout = layout.resolve(world)
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    _destroy_model_parallel_groups()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
-        create_gloo_process_groups=True,
+        # On gloo every group already is a gloo group; duplicates would only add threads.
+        create_gloo_process_groups=dist.get_backend() != "gloo",
     )
     # As Megatron-LM: one CPU seed per pipeline stage (TP ranks must agree: CPU initialization
     # draws the full master weight and slices it), then the named model-parallel RNG streams.
@@ -241,11 +241,28 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
     )
 
 
-def destroy() -> None:
-    """Tear down model-parallel state and the default process group."""
+def _destroy_model_parallel_groups() -> None:
+    """Forget Megatron's groups *and* shut them down.
+
+    ``destroy_model_parallel`` only drops Megatron's references; the communicators (gloo: a few
+    threads each) live on. A process that switches layouts many times (the test pools, layout
+    sweeps) would accumulate thousands of threads, so every group but the world is destroyed.
+    """
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):  # no public listing of live groups exists
+        if pg is not c10d.GroupMember.WORLD and pg is not None:
+            dist.destroy_process_group(pg)
+
+
+def destroy() -> None:
+    """Tear down model-parallel state and the default process group."""
+    _destroy_model_parallel_groups()
     if dist.is_initialized():
         dist.destroy_process_group()

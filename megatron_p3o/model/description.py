@@ -81,6 +81,8 @@ class ModelDescription:
         """Read an HF ``config.json`` dict; refuse architectures and features we cannot map."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:  # configs made in code carry only model_type
+            arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(cfg.get("model_type"))
         if arch is None:
             raise UnsupportedModelError(
                 f"{source}: architectures={archs} (model_type={cfg.get('model_type')!r}) is not "
@@ -93,7 +95,9 @@ class ModelDescription:
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
         heads = int(cfg["num_attention_heads"])
-        rope_scaling = cfg.get("rope_scaling")
+        # transformers < 5 writes rope_scaling + rope_theta; >= 5 writes rope_parameters
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind == "default":
@@ -102,9 +106,7 @@ class ModelDescription:
                 raise UnsupportedModelError(
                     f"{source}: rope_scaling type {kind!r} is not supported (llama3, linear are)"
                 )
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
-            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
         if family == "qwen2":
             qkv_bias = True

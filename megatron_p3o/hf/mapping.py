@@ -1,0 +1,191 @@
+"""HuggingFace ↔ Megatron-Core tensor mapping for the Llama family (Llama 2/3/3.1, Qwen2/2.5,
+Qwen3, Mistral): names, shapes, fused QKV and gate/up, vocabulary padding, TP split dims.
+
+Why one table: checkpoint conversion (both directions) and live weight sync to the rollout
+engine must agree exactly, so both are driven by :func:`tensor_maps` and the two pure functions
+:func:`to_mcore` / :func:`to_hf`.
+
+Megatron names here are *canonical*: the TP=1 name with a global layer index and Transformer
+Engine's norm names (``linear_qkv.layer_norm_weight``), which is also what Megatron's
+dist-checkpoint keys use for the local layer spec. Fused layouts (TP=1):
+    linear_qkv  [g·(q/g + 2)·d, h]: per query group g: its q heads, then k_g, then v_g
+    linear_fc1  [2·i, h]: gate rows, then up rows
+    embedding / output_layer [V_pad, h]: HF rows then zero padding rows
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..model.description import ModelDescription
+
+
+class MappingError(ValueError):
+    """A tensor is missing or has the wrong shape; the message names it and both shapes."""
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One Megatron tensor and the HF tensors it is made of.
+
+    Attributes:
+        mcore: canonical Megatron name (TP=1, global layer index).
+        hf: HF names, in fusion order.
+        kind: "copy", "vocab" (row padding), "qkv" or "fc1" (fusions).
+        tp_dim: dimension split over TP ranks (None: replicated).
+        layer: global layer index, or None for embedding / final norm / output layer.
+    """
+
+    mcore: str
+    hf: Tuple[str, ...]
+    kind: str
+    tp_dim: Optional[int]
+    layer: Optional[int] = None
+
+
+# local (non-TE) layer-spec module names → canonical (TE) names
+_LOCAL_TO_CANONICAL = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def tensor_maps(desc: ModelDescription) -> List[TensorMap]:
+    """Every Megatron tensor of the model, in checkpoint order."""
+    maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)]
+    for i in range(desc.num_layers):
+        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = [f"{h}self_attn.{x}_proj.weight" for x in "qkv"]
+        maps += [
+            TensorMap(p + "self_attention.linear_qkv.layer_norm_weight", (h + "input_layernorm.weight",), "copy", None, i),
+            TensorMap(p + "self_attention.linear_qkv.weight", tuple(attn), "qkv", 0, i),
+        ]
+        if desc.qkv_bias:
+            maps.append(TensorMap(p + "self_attention.linear_qkv.bias",
+                                  tuple(f"{h}self_attn.{x}_proj.bias" for x in "qkv"), "qkv", 0, i))
+        if desc.qk_norm:
+            maps += [
+                TensorMap(p + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None, i),
+                TensorMap(p + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None, i),
+            ]
+        maps += [
+            TensorMap(p + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1, i),
+            TensorMap(p + "mlp.linear_fc1.layer_norm_weight", (h + "post_attention_layernorm.weight",), "copy", None, i),
+            TensorMap(p + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1", 0, i),
+            TensorMap(p + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1, i),
+        ]
+    maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
+    if not desc.tie_word_embeddings:
+        maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "vocab", 0))
+    return maps
+
+
+def hf_shapes(desc: ModelDescription) -> Dict[str, Tuple[int, ...]]:
+    """The shape of every HF tensor the model must have."""
+    H, I, V, d = desc.hidden_size, desc.intermediate_size, desc.vocab_size, desc.head_dim
+    q, kv = desc.num_heads * d, desc.num_kv_heads * d
+    out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not desc.tie_word_embeddings:
+        out["lm_head.weight"] = (V, H)
+    for i in range(desc.num_layers):
+        h = f"model.layers.{i}."
+        out.update({
+            h + "input_layernorm.weight": (H,), h + "post_attention_layernorm.weight": (H,),
+            h + "self_attn.q_proj.weight": (q, H), h + "self_attn.k_proj.weight": (kv, H),
+            h + "self_attn.v_proj.weight": (kv, H), h + "self_attn.o_proj.weight": (H, q),
+            h + "mlp.gate_proj.weight": (I, H), h + "mlp.up_proj.weight": (I, H),
+            h + "mlp.down_proj.weight": (H, I),
+        })
+        if desc.qkv_bias:
+            out.update({h + "self_attn.q_proj.bias": (q,), h + "self_attn.k_proj.bias": (kv,),
+                        h + "self_attn.v_proj.bias": (kv,)})
+        if desc.qk_norm:
+            out.update({h + "self_attn.q_norm.weight": (d,), h + "self_attn.k_norm.weight": (d,)})
+    return out
+
+
+def mcore_shape(tm: TensorMap, desc: ModelDescription, padded_vocab: int) -> Tuple[int, ...]:
+    """Global (TP=1) shape of a Megatron tensor."""
+    shapes = hf_shapes(desc)
+    if tm.kind == "vocab":
+        return (padded_vocab, desc.hidden_size)
+    if tm.kind in ("qkv", "fc1"):
+        parts = [shapes[n] for n in tm.hf]
+        return (sum(p[0] for p in parts),) + tuple(parts[0][1:])
+    return shapes[tm.hf[0]]
+
+
+def check_hf_shape(name: str, tensor: Tensor, desc: ModelDescription, source: str = "") -> None:
+    want = hf_shapes(desc).get(name)
+    if want is None:
+        raise MappingError(f"{source}{name}: not a tensor of {desc.architecture}")
+    if tuple(tensor.shape) != tuple(want):
+        raise MappingError(f"{source}{name}: shape {tuple(tensor.shape)}, expected {tuple(want)} "
+                           f"(from the model's config.json)")
+
+
+def _qkv_groups(desc: ModelDescription) -> Tuple[int, int, int]:
+    return desc.num_kv_heads, desc.num_heads // desc.num_kv_heads, desc.head_dim
+
+
+def to_mcore(tm: TensorMap, hf: Sequence[Tensor], desc: ModelDescription, padded_vocab: int) -> Tensor:
+    """Build the TP=1 Megatron tensor from its HF tensors (in ``tm.hf`` order)."""
+    if tm.kind == "copy":
+        return hf[0]
+    if tm.kind == "vocab":
+        (w,) = hf
+        if padded_vocab == w.shape[0]:
+            return w
+        out = w.new_zeros((padded_vocab,) + tuple(w.shape[1:]))
+        out[: w.shape[0]] = w
+        return out
+    if tm.kind == "fc1":
+        return torch.cat(list(hf), 0)
+    g, qpg, d = _qkv_groups(desc)
+    q, k, v = hf
+    rest = tuple(q.shape[1:])
+    fused = torch.cat([q.reshape((g, qpg * d) + rest), k.reshape((g, d) + rest),
+                       v.reshape((g, d) + rest)], 1)
+    return fused.reshape((g * (qpg + 2) * d,) + rest)
+
+
+def to_hf(tm: TensorMap, t: Tensor, desc: ModelDescription) -> Dict[str, Tensor]:
+    """Split a TP=1 Megatron tensor into its HF tensors (padding rows dropped)."""
+    if tm.kind == "copy":
+        return {tm.hf[0]: t}
+    if tm.kind == "vocab":
+        return {tm.hf[0]: t[: desc.vocab_size]}
+    if tm.kind == "fc1":
+        gate, up = t.chunk(2, 0)
+        return {tm.hf[0]: gate, tm.hf[1]: up}
+    g, qpg, d = _qkv_groups(desc)
+    rest = tuple(t.shape[1:])
+    grouped = t.reshape((g, (qpg + 2) * d) + rest)
+    q, k, v = grouped.split([qpg * d, d, d], 1)
+    return {tm.hf[0]: q.reshape((g * qpg * d,) + rest), tm.hf[1]: k.reshape((g * d,) + rest),
+            tm.hf[2]: v.reshape((g * d,) + rest)}
+
+
+def canonical_name(module_name: str, layer_offset: int = 0) -> str:
+    """A live model's parameter name (either layer spec, stage-local layer index) → canonical."""
+    name = module_name[len("module."):] if module_name.startswith("module.") else module_name
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    rest = m.group(2)
+    rest = _LOCAL_TO_CANONICAL.get(rest, rest)
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
+
+
+def split_layer(canonical: str) -> Tuple[str, Optional[int]]:
+    """``decoder.layers.3.x`` → (``decoder.layers.x``, 3): the dist-checkpoint key and layer."""
+    m = _LAYER_RE.match(canonical)
+    if not m:
+        return canonical, None
+    return f"decoder.layers.{m.group(2)}", int(m.group(1))
