@@ -152,3 +152,41 @@ class ModelDescription:
         if unknown:
             raise ValueError(f"model description: unknown keys {unknown}")
         return cls(**d)
+
+
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+
+
+def description_to_hf_config(desc: ModelDescription, dtype: str = "float32") -> dict:
+    """A ``config.json`` for ``desc`` (used on export when the source config is not at hand)."""
+    cfg = {
+        "architectures": [desc.architecture],
+        "model_type": _MODEL_TYPES[desc.family],
+        "vocab_size": desc.vocab_size,
+        "hidden_size": desc.hidden_size,
+        "intermediate_size": desc.intermediate_size,
+        "num_hidden_layers": desc.num_layers,
+        "num_attention_heads": desc.num_heads,
+        "num_key_value_heads": desc.num_kv_heads,
+        "head_dim": desc.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": desc.rms_norm_eps,
+        "rope_theta": desc.rope_theta,
+        "rope_scaling": desc.rope_scaling,
+        "tie_word_embeddings": desc.tie_word_embeddings,
+        "max_position_embeddings": desc.max_position_embeddings,
+        "torch_dtype": dtype,
+        "bos_token_id": desc.bos_token_id,
+        "eos_token_id": desc.eos_token_id,
+        "pad_token_id": desc.pad_token_id,
+    }
+    if desc.family == "qwen2":
+        cfg["use_sliding_window"] = False
+    elif desc.family == "llama":
+        cfg["attention_bias"] = desc.qkv_bias
+        cfg["mlp_bias"] = False
+    elif desc.family == "mistral":
+        cfg["sliding_window"] = desc.sliding_window
+    elif desc.family == "qwen3":
+        cfg["attention_bias"] = desc.qkv_bias
+    return cfg

@@ -1,0 +1,1 @@
+"""Command-line converters between HuggingFace directories and Megatron dist checkpoints."""

@@ -1,0 +1,76 @@
+"""Megatron-Core distributed checkpoint (written at any TP/PP) → HF directory, streaming.
+
+    python -m checkpoints_convert.megatron_to_hf --ckpt CKPT_DIR --out HF_DIR
+        [--max-shard-size-gb 2] [--dtype bfloat16] [--hf-config DIR]
+
+Writes config.json, the tokenizer files kept in the checkpoint (or from ``--hf-config``), sharded
+safetensors and the index, which ``transformers`` and SGLang load as is. Atomic (temp dir + rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def convert(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
+            dtype: Optional[str] = None, hf_config_dir: Optional[str] = None, groups=None,
+            progress: bool = True) -> dict:
+    from rich.progress import Progress
+
+    from checkpoints_convert.hf_to_megatron import HF_SUBDIR
+    from megatron_p3o.hf.dist_stream import read_checkpoint, read_meta
+    from megatron_p3o.hf.mapping import tensor_maps, to_hf
+    from megatron_p3o.hf.safetensors_io import HFShardedWriter, atomic_dir, copy_aux_files
+    from megatron_p3o.model.description import description_to_hf_config
+    from megatron_p3o.parallel import Layout, initialize
+
+    meta = read_meta(ckpt_dir)
+    desc = meta["description"]
+    out_dtype = getattr(torch, dtype) if dtype else getattr(torch, meta["params_dtype"])
+    if groups is None:
+        groups = initialize(Layout())
+    src_cfg = Path(hf_config_dir) if hf_config_dir else Path(ckpt_dir) / HF_SUBDIR
+    n = 0
+    with atomic_dir(out_dir) as tmp, Progress(disable=not progress) as bar:
+        task = bar.add_task(f"Megatron → HF {Path(ckpt_dir).name}", total=len(tensor_maps(desc)))
+        writer = HFShardedWriter(tmp, max_shard_bytes)
+        for tm, t in read_checkpoint(ckpt_dir):
+            for name, tensor in to_hf(tm, t, desc).items():
+                writer.add(name, tensor.to(out_dtype).clone())
+                n += 1
+            bar.advance(task)
+        writer.close()
+        if (src_cfg / "config.json").is_file():
+            cfg = json.loads((src_cfg / "config.json").read_text())
+            cfg["torch_dtype"] = str(out_dtype).replace("torch.", "")
+        else:
+            cfg = description_to_hf_config(desc, str(out_dtype).replace("torch.", ""))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        copied = copy_aux_files(src_cfg, tmp)
+    return {"tensors": n, "bytes": writer.total, "shards": len(writer.files),
+            "aux_files": copied, "out": str(out_dir)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", required=True, help="Megatron dist checkpoint directory")
+    ap.add_argument("--out", required=True, help="output HF directory (must not exist)")
+    ap.add_argument("--max-shard-size-gb", type=float, default=2.0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    ap.add_argument("--hf-config", default=None,
+                    help="directory with config.json/tokenizer to use instead of the stored ones")
+    a = ap.parse_args(argv)
+    report = convert(a.ckpt, a.out, max_shard_bytes=int(a.max_shard_size_gb * 2**30),
+                     dtype=a.dtype, hf_config_dir=a.hf_config)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
