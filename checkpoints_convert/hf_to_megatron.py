@@ -34,6 +34,8 @@ def convert(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: Optio
     from megatron_p3o.model.builder import padded_vocab_size
     from megatron_p3o.parallel import Layout, initialize
 
+    if Path(out_dir).exists():
+        raise FileExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
     reader = HFCheckpointReader(hf_dir)
     reader.validate()
     desc = reader.description

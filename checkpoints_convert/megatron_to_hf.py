@@ -30,6 +30,8 @@ def convert(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
     from megatron_p3o.model.description import description_to_hf_config
     from megatron_p3o.parallel import Layout, initialize
 
+    if Path(out_dir).exists():
+        raise FileExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
     meta = read_meta(ckpt_dir)
     desc = meta["description"]
     out_dtype = getattr(torch, dtype) if dtype else getattr(torch, meta["params_dtype"])

@@ -121,16 +121,28 @@ def write_checkpoint(desc: ModelDescription, groups, source: TensorSource, ckpt_
     """Write a Megatron dist checkpoint (loadable at any TP/PP) from ``source``; returns chunks."""
     from megatron.core import dist_checkpointing
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     model = build_meta_model(desc, groups, dtype, divisible_by)
     resolve = _chunk_resolver(desc, source, dtype)
     calls = {"n": 0}
+    failure: list = []
 
     def counted(key, offsets, sizes):
         calls["n"] += 1
-        return resolve(key, offsets, sizes)
+        try:
+            return resolve(key, offsets, sizes)
+        except Exception as e:
+            failure.append(e)
+            raise
 
-    dist_checkpointing.save({"model0": model.sharded_state_dict()}, str(ckpt_dir),
-                            sharded_strategy=_streaming_strategy(counted))
+    try:
+        dist_checkpointing.save({"model0": model.sharded_state_dict()}, str(ckpt_dir),
+                                sharded_strategy=_streaming_strategy(counted))
+    except CheckpointException as e:  # a BaseException that wraps the real cause
+        if failure:
+            raise failure[0] from None
+        raise RuntimeError(f"writing the checkpoint to {ckpt_dir} failed: {e}") from None
     write_meta(ckpt_dir, desc, model.padded_vocab_size, divisible_by, dtype)
     return calls["n"]
 

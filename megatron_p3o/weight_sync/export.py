@@ -1,0 +1,91 @@
+"""Live export: full HF-named tensors from a TP/PP-sharded Megatron model, in byte buckets.
+
+Why: the rollout engine (SGLang or the embedded one) holds an HF-layout model; after each
+optimizer step (or every L steps) the trainer pushes its weights there. TP shards are gathered
+over the TP group; each pipeline stage yields only its own layers (global layer numbers), so the
+stages can push in parallel. Names, fusions and padding follow :mod:`megatron_p3o.hf.mapping`,
+the same table the checkpoint converters use.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..hf.mapping import TensorMap, canonical_name, tensor_maps, to_hf
+from ..model.description import ModelDescription
+from ..parallel import ParallelGroups
+
+_LOCAL_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> torch.Tensor:
+    """The TP=1 tensor from this rank's shard."""
+    tp = groups.layout.tp
+    if tm.tp_dim is None or tp == 1:
+        return local.detach()
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    # TP group: every rank holds one slice of this tensor; the engine needs it whole.
+    dist.all_gather(parts, local.detach().contiguous(), group=groups.tp)
+    if tm.kind == "fc1":  # each shard is [gate_r; up_r]
+        halves = [p.chunk(2, 0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return torch.cat(parts, tm.tp_dim)
+
+
+def iter_hf_tensors(chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
+                    desc: ModelDescription) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the parameters this pipeline stage holds.
+
+    Every TP rank of the stage must iterate (the gathers are collectives); every rank then
+    holds the same full tensors. Tied output layers are skipped (the embedding is exported).
+    """
+    by_name: Dict[str, TensorMap] = {tm.mcore: tm for tm in tensor_maps(desc)}
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        numbers = {}
+        for i, layer in enumerate(getattr(model.decoder, "layers", [])):
+            numbers[i] = layer.layer_number - 1  # global, 0-based
+        for name, param in model.named_parameters():
+            if desc.tie_word_embeddings and name.startswith("output_layer."):
+                continue
+            m = _LOCAL_LAYER.match(name)
+            if m:
+                local = int(m.group(1))
+                name = canonical_name(name, numbers[local] - local)
+            else:
+                name = canonical_name(name)
+            tm = by_name.get(name)
+            if tm is None:
+                raise KeyError(f"parameter {name} has no HF mapping for {desc.architecture}")
+            full = _gather_tp(param, tm, groups)
+            yield from to_hf(tm, full, desc).items()
+
+
+def iter_hf_buckets(tensors: Iterator[Tuple[str, torch.Tensor]], bucket_bytes: int,
+                    dtype: torch.dtype | None = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in tensors:
+        if dtype is not None:
+            t = t.to(dtype)
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket

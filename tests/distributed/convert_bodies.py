@@ -1,0 +1,135 @@
+"""Rank bodies and fixtures for the HF ↔ Megatron conversion tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_p3o.checkpoint import load_model_state, save_model_state
+from megatron_p3o.hf.dist_stream import P3O_META_FILE, read_meta
+from megatron_p3o.model.builder import BuildOptions, build_model
+from megatron_p3o.model.forward import forward_backward, next_token_targets
+
+SEQ = 16
+
+FAMILIES = {
+    # untied, GQA, odd vocab, llama3 rope scaling, single safetensors file
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=301, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
+    # QKV bias, tied
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=259, tie_word_embeddings=True)),
+    # QK-norm, head_dim ≠ hidden / heads, untied
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(vocab_size=317, head_dim=24,
+                                                      tie_word_embeddings=False)),
+    # sharded safetensors with an index
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(vocab_size=300, sliding_window=None,
+                                                           tie_word_embeddings=False)),
+}
+
+
+def make_hf_model(family: str, out: Path, seed: int = 0):
+    import transformers
+
+    cfg_name, cls_name, kw = FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, **kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out, max_shard_size="200KB" if family == "mistral" else "1GB")
+    return model
+
+
+def prompt_ids(vocab: int, n: int = 2, seq: int = SEQ, seed: int = 1):
+    return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def convert_hf(groups, hf_dir: str, out: str, tp: int = 1):
+    from checkpoints_convert.hf_to_megatron import convert
+
+    return convert(hf_dir, out, tp=tp, groups=groups, progress=False)
+
+
+def export_hf(groups, ckpt: str, out: str, max_shard_bytes: int = 2**30):
+    from checkpoints_convert.megatron_to_hf import convert
+
+    return convert(ckpt, out, groups=groups, max_shard_bytes=max_shard_bytes, progress=False)
+
+
+def _load(groups, ckpt):
+    meta = read_meta(ckpt)
+    chunks = build_model(meta["description"], groups, BuildOptions(
+        seq_length=SEQ, make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"]))
+    load_model_state(chunks, ckpt)
+    return meta, chunks
+
+
+def ckpt_logits(groups, ckpt: str, ids):
+    """Full logits ``[b, s, V]`` of the checkpoint loaded at this layout (None off the last stage)."""
+    meta, chunks = _load(groups, ckpt)
+    got = []
+
+    def loss_fn(batch, logits):
+        got.append(logits.detach().clone())
+        return torch.zeros(()), 0, {}
+
+    batch = {"tokens": ids, "targets": next_token_targets(ids), "loss_mask": torch.ones_like(ids).float()}
+    with torch.no_grad():
+        forward_backward(chunks, groups, [batch], loss_fn, forward_only=True)
+    if not got:
+        return None
+    shard = got[0]
+    if groups.layout.tp > 1:
+        parts = [torch.empty_like(shard) for _ in range(groups.layout.tp)]
+        torch.distributed.all_gather(parts, shard.contiguous(), group=groups.tp)
+        shard = torch.cat(parts, -1)
+    return shard[..., : meta["description"].vocab_size]
+
+
+def resave_at_layout(groups, ckpt: str, out: str):
+    """Load at this layout and save a new checkpoint from it (a checkpoint 'written at TP=2')."""
+    meta, chunks = _load(groups, ckpt)
+    payload = json.loads((Path(ckpt) / P3O_META_FILE).read_text())
+    save_model_state(chunks, out, extra_files={P3O_META_FILE: payload})
+
+
+def live_export(groups, ckpt: str):
+    from megatron_p3o.weight_sync import iter_hf_buckets, iter_hf_tensors
+
+    meta, chunks = _load(groups, ckpt)
+    out, sizes = {}, []
+    for bucket in iter_hf_buckets(iter_hf_tensors(chunks, groups, meta["description"]), 40_000):
+        sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        out.update({k: v.clone() for k, v in bucket})
+    return {"tensors": out, "bucket_bytes": sizes, "tp_rank": groups.tp_rank, "pp_rank": groups.pp_rank}
+
+
+def convert_failing_midway(groups, hf_dir: str, out: str, fail_at: int = 6):
+    """Reading fails at the ``fail_at``-th tensor, after chunks were written: the error
+    propagates and nothing is left behind."""
+    from megatron_p3o.hf import safetensors_io
+
+    orig = safetensors_io.HFCheckpointReader.get
+    calls = {"n": 0}
+
+    def flaky(self, name):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise OSError(f"simulated read failure at {name}")
+        return orig(self, name)
+
+    safetensors_io.HFCheckpointReader.get = flaky
+    try:
+        convert_hf(groups, hf_dir, out)
+    except Exception as e:  # noqa: BLE001 - the test inspects the message
+        return {"error": f"{type(e).__name__}: {e}", "reads": calls["n"]}
+    finally:
+        safetensors_io.HFCheckpointReader.get = orig
+    return None

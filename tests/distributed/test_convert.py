@@ -1,0 +1,171 @@
+"""HF ↔ Megatron conversion: logits, bitwise round trips, live export, bad inputs."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_p3o.parallel import Layout
+
+from . import convert_bodies as cb
+
+TOL = 1e-5
+
+
+def _hf_state(d: Path):
+    sd = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+@pytest.fixture(scope="session")
+def converted(pools, tmp_path_factory):
+    """Per family: (HF dir, HF model, converted checkpoint dir)."""
+    root = tmp_path_factory.mktemp("convert")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            hf_dir = root / f"hf-{family}"
+            model = cb.make_hf_model(family, hf_dir)
+            ckpt = root / f"ckpt-{family}"
+            pools(1).run(cb.convert_hf, Layout(), hf_dir=str(hf_dir), out=str(ckpt), tp=2)
+            made[family] = (hf_dir, model, ckpt)
+        return made[family]
+
+    return get
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [Layout(), Layout(tp=2), Layout(pp=2)], ids=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("family", list(cb.FAMILIES))
+def test_converted_logits_match_transformers(pools, converted, family, layout):
+    hf_dir, model, ckpt = converted(family)
+    ids = cb.prompt_ids(model.config.vocab_size)
+    world = 1 if layout == Layout() else 2
+    res = [r for r in pools(world).run(cb.ckpt_logits, layout, ckpt=str(ckpt), ids=ids) if r is not None]
+    ref = _hf_logits(model, ids)
+    assert res, "no rank produced logits"
+    for out in res:
+        assert out.shape == ref.shape
+        assert (out - ref).abs().max() < TOL, float((out - ref).abs().max())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(cb.FAMILIES))
+def test_hf_megatron_hf_round_trip_is_bitwise(pools, converted, tmp_path, family):
+    hf_dir, _, ckpt = converted(family)
+    out = tmp_path / "hf-back"
+    rep = pools(1).run(cb.export_hf, Layout(), ckpt=str(ckpt), out=str(out), max_shard_bytes=60_000)[0]
+    assert rep["shards"] > 1
+    a, b = _hf_state(hf_dir), _hf_state(out)
+    assert set(a) == set(b)
+    bad = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not bad, bad
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(idx["weight_map"]) == set(a)
+    cfg_in, cfg_out = (json.loads((d / "config.json").read_text()) for d in (hf_dir, out))
+    assert cfg_out["architectures"] == cfg_in["architectures"]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)  # transformers loads it as is
+
+
+@pytest.mark.distributed
+def test_tp2_checkpoint_to_hf_to_pp2(pools, converted, tmp_path):
+    """Megatron at TP=2 → HF → Megatron, loaded at PP=2: logits still match transformers."""
+    hf_dir, model, ckpt = converted("qwen3")
+    tp2 = tmp_path / "tp2"
+    pools(2).run(cb.resave_at_layout, Layout(tp=2), ckpt=str(ckpt), out=str(tp2))
+    hf_back, ckpt2 = tmp_path / "hf", tmp_path / "ckpt2"
+    pools(1).run(cb.export_hf, Layout(), ckpt=str(tp2), out=str(hf_back))
+    pools(1).run(cb.convert_hf, Layout(), hf_dir=str(hf_back), out=str(ckpt2))
+    ids = cb.prompt_ids(model.config.vocab_size)
+    res = [r for r in pools(2).run(cb.ckpt_logits, Layout(pp=2), ckpt=str(ckpt2), ids=ids) if r is not None]
+    assert len(res) == 1 and (res[0] - _hf_logits(model, ids)).abs().max() < TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_live_export_yields_the_hf_state_dict(pools, converted, family, layout):
+    hf_dir, _, ckpt = converted(family)
+    res = pools(2).run(cb.live_export, layout, ckpt=str(ckpt))
+    want = _hf_state(hf_dir)
+    if layout.tp == 2:
+        assert res[0]["tensors"].keys() == res[1]["tensors"].keys() == want.keys()
+        got = res[0]["tensors"]
+    else:  # each stage yields its own layers; together, the whole model once
+        a, b = res[0]["tensors"], res[1]["tensors"]
+        assert not (a.keys() & b.keys())
+        got = {**a, **b}
+        assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].shape == v.shape and torch.equal(got[k], v), k
+    assert all(s <= 40_000 or n == 1 for s, n in [(s, 1) for s in res[0]["bucket_bytes"]])
+
+
+# -- bad inputs (no ranks needed: they fail before any process group) -------------------------
+
+def test_missing_shard_file_is_named(converted, tmp_path):
+    hf_dir, _, _ = converted("mistral")
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dir, broken)
+    victim = sorted(broken.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    from checkpoints_convert.hf_to_megatron import convert
+
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        convert(str(broken), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_architecture_and_shape_mismatch(converted, tmp_path):
+    from checkpoints_convert.hf_to_megatron import convert
+    from megatron_p3o.hf.mapping import MappingError
+    from megatron_p3o.model.description import UnsupportedModelError
+
+    hf_dir, _, _ = converted("llama")
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(hf_dir, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        convert(str(gpt2), str(tmp_path / "o1"), progress=False)
+    wrong = tmp_path / "wrong"
+    shutil.copytree(hf_dir, wrong)
+    (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(MappingError, match=r"mlp.gate_proj.weight: shape \(96, 64\), expected \(128, 64\)"):
+        convert(str(wrong), str(tmp_path / "o2"), progress=False)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_existing_target_is_refused(converted, tmp_path):
+    from checkpoints_convert.hf_to_megatron import convert
+    from checkpoints_convert.megatron_to_hf import convert as export
+
+    hf_dir, _, ckpt = converted("qwen2")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="taken"):
+        convert(str(hf_dir), str(tmp_path / "taken"), progress=False)
+    with pytest.raises(FileExistsError, match="taken"):
+        export(str(ckpt), str(tmp_path / "taken"), progress=False)
+
+
+@pytest.mark.distributed
+def test_failure_mid_conversion_leaves_nothing(pools, converted, tmp_path):
+    hf_dir, _, _ = converted("mistral")
+    out = tmp_path / "out"
+    res = pools(1).run(cb.convert_failing_midway, Layout(), hf_dir=str(hf_dir), out=str(out))[0]
+    assert res is not None and "simulated read failure" in res["error"] and res["reads"] == 6
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
