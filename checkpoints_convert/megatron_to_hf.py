@@ -44,7 +44,7 @@ def convert(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
         writer = HFShardedWriter(tmp, max_shard_bytes)
         for tm, t in read_checkpoint(ckpt_dir):
             for name, tensor in to_hf(tm, t, desc).items():
-                writer.add(name, tensor.to(out_dtype).clone())
+                writer.add(name, tensor.to(out_dtype))
                 n += 1
             bar.advance(task)
         writer.close()

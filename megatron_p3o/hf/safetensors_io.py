@@ -52,17 +52,10 @@ class HFCheckpointReader:
                     f"{self.dir}: shard file {fname} listed in {WEIGHTS_INDEX} is missing "
                     f"(holds e.g. {missing})"
                 )
-        self._handles: Dict[str, object] = {}
-
-    def _handle(self, fname: str):
-        h = self._handles.get(fname)
-        if h is None:
-            h = safe_open(self.dir / fname, framework="pt")
-            self._handles[fname] = h
-        return h
 
     def shape(self, name: str):
-        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+        with safe_open(self.dir / self.weight_map[name], framework="pt") as h:
+            return tuple(h.get_slice(name).get_shape())
 
     def dtype(self) -> torch.dtype:
         name = "model.embed_tokens.weight"
@@ -71,7 +64,10 @@ class HFCheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise MappingError(f"{self.dir}: tensor {name} is missing from the checkpoint")
-        return self._handle(self.weight_map[name]).get_tensor(name)
+        # open per tensor and copy out: no file mapping outlives the tensor it served, so the
+        # resident set stays about one tensor (a long-lived mapping keeps every page it touched)
+        with safe_open(self.dir / self.weight_map[name], framework="pt") as h:
+            return h.get_tensor(name).clone()
 
     def validate(self) -> None:
         """Every tensor the architecture needs exists with the right shape (nothing loaded)."""
