@@ -133,3 +133,9 @@ def convert_failing_midway(groups, hf_dir: str, out: str, fail_at: int = 6):
     finally:
         safetensors_io.HFCheckpointReader.get = orig
     return None
+
+
+def run_verify(groups, hf_dir: str, ckpt: str):
+    from checkpoints_convert.verify import verify
+
+    return verify(hf_dir, ckpt, seq=SEQ, prompts=2)

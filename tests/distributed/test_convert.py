@@ -169,3 +169,11 @@ def test_failure_mid_conversion_leaves_nothing(pools, converted, tmp_path):
     assert res is not None and "simulated read failure" in res["error"] and res["reads"] == 6
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.distributed
+def test_verify_mode_reports_logit_agreement(pools, converted):
+    hf_dir, _, ckpt = converted("qwen3")
+    rep = pools(1).run(cb.run_verify, Layout(), hf_dir=str(hf_dir), ckpt=str(ckpt))[0]
+    assert rep["tokens"] == 2 * cb.SEQ
+    assert 0 <= rep["max_abs_logit_diff"] < TOL and abs(rep["mean_kl"]) < 1e-9, rep
