@@ -20,27 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory import peak_mb, reset_peak, rss_mb  # noqa: E402
 from pathlib import Path
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _reset_peak() -> None:
-    """Reset the kernel's resident high-water mark (VmHWM) to the current RSS (Linux ≥ 4.0).
-    ``ru_maxrss`` would not do: it keeps the peak of the parent image this process forked from."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(task: str, root: Path) -> dict:
@@ -59,8 +42,8 @@ def worker(task: str, root: Path) -> dict:
         import checkpoints_convert.megatron_to_hf  # noqa: F401
         from megatron.core.dist_checkpointing.strategies import torch as _  # noqa: F401
         from torch.distributed import checkpoint as _dcp  # noqa: F401
-    base = _rss_mb()
-    _reset_peak()
+    base = rss_mb()
+    reset_peak()
     t0 = time.perf_counter()
     if task in ("read", "copy"):  # the plain read (and copy): every shard's bytes, one at a time
         (root / "copy").mkdir(exist_ok=True)
@@ -83,7 +66,7 @@ def worker(task: str, root: Path) -> dict:
         convert(str(root / "ckpt"), str(root / "hf-out"), groups=groups, progress=False,
                 max_shard_bytes=int(os.environ["SHARD_BYTES"]))
     dt = time.perf_counter() - t0
-    return {"task": task, "seconds": dt, "peak_extra_mb": max(0.0, _hwm_mb() - base)}
+    return {"task": task, "seconds": dt, "peak_extra_mb": max(0.0, peak_mb() - base)}
 
 
 def main():

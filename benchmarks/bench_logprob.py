@@ -18,27 +18,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory import peak_mb, reset_peak, rss_mb  # noqa: E402
+
 VARIANTS = ("ours", "ours_inplace", "megatron", "naive")
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _reset_peak() -> None:
-    """Reset the kernel's resident high-water mark (VmHWM) to the current RSS (Linux ≥ 4.0).
-    ``ru_maxrss`` would not do: it keeps the peak of the parent image this process forked from."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: int) -> dict:
@@ -71,13 +54,13 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
     times = []
     for i in range(reps + 1):
         logits = base_logits.clone().requires_grad_()
-        before = _rss_mb()
-        _reset_peak()
+        before = rss_mb()
+        reset_peak()
         t0 = time.perf_counter()
         run(logits)
         dt_s = time.perf_counter() - t0
         if i == 0:
-            first_extra = max(_hwm_mb() - before, 0.0)
+            first_extra = max(peak_mb() - before, 0.0)
         else:
             times.append(dt_s)
         del logits

@@ -110,28 +110,39 @@ def layout_grads(groups, family: str, init: str, out: str, n_micro: int = 1):
     }
 
 
-def reference(groups, family: str, init: str, compare_dirs=()):
-    """TP=1 single-process fp32 reference; compares each saved grads dir against it."""
+def reference_logprobs(groups, family: str, init: str, batch):
+    """A TP=1 GPTModel called directly (no schedule, no DDP): logits and float64 ℓθ ``[B, S]``."""
     lay = groups.layout
     assert lay.tp == lay.pp == lay.cp == 1
     (model,) = _build(family, groups)
     load_model_state([model], init)
-    batch = make_batch(family)
     vocab = FAMILIES[family]["vocab_size"]
-    pos = torch.arange(SEQ)[None].expand(BATCH, -1)
+    pos = torch.arange(SEQ)[None].expand(batch["tokens"].shape[0], -1)
     logits = model(batch["tokens"], pos, None)
     lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(-1, batch["targets"][..., None])[..., 0]
-    loss = -(lp * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-    loss.backward()
+    return model, logits, lp
+
+
+def grad_errors(groups, family: str, model, compare_dirs):
+    """Relative L2 error of each saved grads dir against ``model``'s ``.grad`` (after backward)."""
     ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     errors = {}
     for d in compare_dirs:
         (other,) = _build(family, groups)
         load_model_state([other], d)
-        errs = {}
-        for n, p in other.named_parameters():
-            errs[n] = float((p.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
-        errors[d] = errs
+        errors[d] = {n: float((p.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                     for n, p in other.named_parameters()}
+    return ref, errors
+
+
+def reference(groups, family: str, init: str, compare_dirs=()):
+    """TP=1 single-process fp32 reference; compares each saved grads dir against it."""
+    batch = make_batch(family)
+    model, logits, lp = reference_logprobs(groups, family, init, batch)
+    loss = -(lp * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    ref, errors = grad_errors(groups, family, model, compare_dirs)
+    vocab = FAMILIES[family]["vocab_size"]
     return {"logits": logits.detach()[..., :vocab], "lp": lp.float().detach(), "loss": float(loss),
             "errors": errors, "grad_norms": {n: float(g.norm()) for n, g in ref.items()}}
 

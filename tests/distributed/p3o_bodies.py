@@ -12,7 +12,7 @@ from megatron_p3o.loss import build_objective
 from megatron_p3o.loss.step_loss import StepLoss, StepLossConfig
 from megatron_p3o.optim import OptimConfig, wrap_ddp
 
-from .bodies import FAMILIES, SEQ, _build, _split_microbatches, make_batch
+from .bodies import FAMILIES, SEQ, _build, _split_microbatches, grad_errors, make_batch, reference_logprobs
 
 RL_BATCH = 6
 
@@ -67,13 +67,8 @@ def p3o_grads(groups, family: str, init: str, out: str, n_micro: int, scope: str
 
 
 def p3o_reference(groups, family: str, init: str, compare_dirs=(), objective: str = "p3o"):
-    (model,) = _build(family, groups)
-    load_model_state([model], init)
     b = make_rl_batch(family)
-    vocab = FAMILIES[family]["vocab_size"]
-    pos = torch.arange(SEQ)[None].expand(RL_BATCH, -1)
-    logits = model(b["tokens"], pos, None)
-    lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(-1, b["targets"][..., None])[..., 0]
+    model, _, lp = reference_logprobs(groups, family, init, b)
     if objective == "p3o":
         loss, e = p3o_reference_loss(lp, b["behavior_logprobs"].double(), b["advantages"].double(),
                                      b["loss_mask"].double())
@@ -86,13 +81,7 @@ def p3o_reference(groups, family: str, init: str, compare_dirs=(), objective: st
             mask=b["loss_mask"].double(), adv=b["advantages"][:, 0].double(),
             rewards=b["rewards"].double(), groups=b["group_ids"]))
     loss.backward()
-    ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    errors = {}
-    for d in compare_dirs:
-        (other,) = _build(family, groups)
-        load_model_state([other], d)
-        errors[d] = {n: float((p.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
-                     for n, p in other.named_parameters()}
+    _, errors = grad_errors(groups, family, model, compare_dirs)
     return {"loss": float(loss), "ess": e, "errors": errors}
 
 
