@@ -1,0 +1,210 @@
+"""An embedded rollout engine: a transformers causal LM on the CPU, in a chosen precision.
+
+Why: where no GPU (and so no SGLang) exists, the trainer still needs an engine that samples in
+*another* precision than the fp32 trainer, so the train–rollout mismatch P3O corrects is real.
+Precisions: fp32, bf16, fp16, and FP8 simulated on CPU — linear weights quantize-dequantized
+through ``torch.float8_e4m3fn`` with a per-tensor scale (``fp8``) or 128×128 block scales
+(``fp8_block``, DeepSeek-V3 style), computing in bf16.
+
+Sampling is batched with a KV cache; each token's log-prob is taken under exactly the
+distribution it was drawn from (softmax(logits / T), truncated by top-k / top-p when enabled).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..types import Sample, SamplingParams
+from .engine import Bucket, RolloutEngine
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "fp8": torch.bfloat16, "fp8_block": torch.bfloat16}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_quant_dequant(w: Tensor, block: Optional[int] = None) -> Tensor:
+    """``w`` rounded through float8_e4m3fn: one scale per tensor, or per ``block × block`` tile."""
+    w32 = w.float()
+    if block is None:
+        scale = w32.abs().max().clamp_min(1e-12) / FP8_MAX
+        return ((w32 / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+    rows, cols = w32.shape
+    pr, pc = -rows % block, -cols % block
+    padded = torch.nn.functional.pad(w32, (0, pc, 0, pr))
+    tiles = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    scale = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX
+    q = (tiles / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(padded.shape)[:rows, :cols].to(w.dtype)
+
+
+def _truncate(z: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Logits ``[B, V]`` with the tokens outside top-k / the top-p nucleus set to −inf."""
+    if top_k and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, idx = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, -1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (torch.cumsum(probs, -1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+def sampling_logprobs(logits: Tensor, sampling: SamplingParams) -> Tensor:
+    """log of the distribution sampled from, ``[B, V]`` fp32."""
+    z = logits.float() / sampling.temperature
+    return torch.log_softmax(_truncate(z, sampling.top_k, sampling.top_p), -1)
+
+
+class EmbeddedEngine(RolloutEngine):
+    """transformers model held in ``precision``; weights come from ``update_weights``."""
+
+    name = "embedded"
+
+    def __init__(self, hf_config: dict, precision: str = "bf16", max_batch: int = 64,
+                 pad_token_id: int = 0):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"rollout.precision={precision!r}; choose one of {sorted(PRECISIONS)}")
+        self.precision, self.dtype = precision, PRECISIONS[precision]
+        cfg = dict(hf_config)
+        cfg = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items()
+                                                             if k not in ("architectures", "torch_dtype")})
+        with torch.device("cpu"):
+            self.model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).eval()
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.params: Dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+        self.max_batch, self.pad_token_id = max_batch, pad_token_id
+        self.weight_version = -1  # no weights loaded yet
+        # transformers >= 5 calls the KV cache ``cache``; earlier versions ``past_key_values``
+        import inspect
+
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+
+    # -- weights ------------------------------------------------------------------------------
+    def _to_engine(self, name: str, t: Tensor) -> Tensor:
+        t = t.to(self.dtype)
+        if self.precision.startswith("fp8") and t.dim() == 2 and name.rsplit(".", 2)[-2] in _FP8_LINEARS:
+            t = fp8_quant_dequant(t, 128 if self.precision == "fp8_block" else None)
+        return t
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        seen = set()
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    p = self.params.get(name)
+                    if p is None:
+                        raise KeyError(f"update_weights: engine has no tensor {name!r}")
+                    if tuple(p.shape) != tuple(tensor.shape):
+                        raise ValueError(f"update_weights: {name}: shape {tuple(tensor.shape)}, engine "
+                                         f"expects {tuple(p.shape)}")
+                    p.copy_(self._to_engine(name, tensor))
+                    seen.add(name)
+        expected = set(self.params) - ({"lm_head.weight"} if self.tied else set())
+        missing = sorted(expected - seen)
+        if missing:
+            raise ValueError(f"update_weights: {len(missing)} tensors were not sent, e.g. {missing[:3]}")
+        self.weight_version = version
+
+    def health(self) -> dict:
+        return {"ok": True, "weight_version": self.weight_version, "precision": self.precision}
+
+    # -- sampling -----------------------------------------------------------------------------
+    def _left_pad(self, seqs: Sequence[Sequence[int]]):
+        b, L = len(seqs), max(len(s) for s in seqs)
+        ids = torch.full((b, L), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, L), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            if len(s):
+                ids[i, L - len(s):] = torch.as_tensor(list(s))
+                mask[i, L - len(s):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        return ids, mask, pos
+
+    @torch.no_grad()
+    def _sample_batch(self, prompts: List[List[int]], sampling: SamplingParams,
+                      gen: Optional[torch.Generator]):
+        ids, mask, pos = self._left_pad(prompts)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        b = len(prompts)
+        toks: List[List[int]] = [[] for _ in range(b)]
+        lps: List[List[float]] = [[] for _ in range(b)]
+        finish = ["length"] * b
+        done = torch.zeros(b, dtype=torch.bool)
+        next_pos = pos[:, -1] + 1
+        stops = set(sampling.stop_token_ids)
+        logits = out.logits[:, -1]
+        for step in range(sampling.max_new_tokens):
+            logp = sampling_logprobs(logits, sampling)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            lp = logp.gather(-1, tok[:, None])[:, 0]
+            for i in range(b):
+                if done[i]:
+                    continue
+                toks[i].append(int(tok[i]))
+                lps[i].append(float(lp[i]))
+                if int(tok[i]) in stops:
+                    done[i], finish[i] = True, "stop"
+            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], 1)
+            feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
+            cache = out[self._cache_kw]
+            out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                             use_cache=True, **{self._cache_kw: cache})
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1]
+        return toks, lps, finish
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+        if n < 1:
+            raise ValueError(f"generate: n={n} must be >= 1")
+        if self.weight_version < 0:
+            raise RuntimeError("generate: no weights loaded (call update_weights first)")
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        flat = [(g, list(p)) for g, p in enumerate(prompts) for _ in range(n)]
+        samples: List[Sample] = []
+        for s in range(0, len(flat), self.max_batch):
+            part = flat[s:s + self.max_batch]
+            toks, lps, fin = self._sample_batch([p for _, p in part], sampling, gen)
+            for (g, p), t, lp, f in zip(part, toks, lps, fin):
+                samples.append(Sample(prompt_ids=p, completion_ids=t, logprobs=lp, finish_reason=f,
+                                      weight_version=self.weight_version, group_id=g))
+        return samples
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+              sampling: SamplingParams) -> List[List[float]]:
+        """Teacher-forced log-probs of ``completions`` (one full forward, same distribution)."""
+        seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
+        ids, mask, pos = self._left_pad(seqs)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        L = ids.shape[1]
+        out = []
+        for i, c in enumerate(completions):
+            if not c:
+                out.append([])
+                continue
+            rows = logits[i, L - len(c) - 1:L - 1]
+            logp = sampling_logprobs(rows, sampling)
+            out.append(logp.gather(-1, torch.as_tensor(list(c))[:, None])[:, 0].tolist())
+        return out
+
+
+def mean_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
+    flat = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(flat) / max(len(flat), 1)
+
+
+def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
+    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0) if a else math.nan

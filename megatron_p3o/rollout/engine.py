@@ -1,0 +1,67 @@
+"""The rollout-engine interface, and the check that behaviour log-probs mean what P3O assumes.
+
+Engines: :class:`~megatron_p3o.rollout.embedded.EmbeddedEngine` (transformers on CPU, in a chosen
+precision) and the SGLang server engine (GPU).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Iterable, List, Sequence, Tuple
+
+import torch
+
+from ..types import Sample, SamplingError, SamplingParams
+
+Bucket = List[Tuple[str, torch.Tensor]]
+
+
+class RolloutEngine(abc.ABC):
+    """generate / update_weights / health, usable as a context manager (start/stop)."""
+
+    name = "engine"
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+        """``n`` completions of each prompt (``group_id`` = prompt index)."""
+
+    @abc.abstractmethod
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Load HF-named tensors (buckets from ``weight_sync``) and set the weight version."""
+
+    @abc.abstractmethod
+    def health(self) -> dict:
+        """A dict with at least ``ok`` (bool) and ``weight_version``."""
+
+    def start(self) -> "RolloutEngine":
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+def check_behaviour_semantics(sampling: SamplingParams, trainer_temperature: float,
+                              objective: str, allow_truncation: bool = False) -> None:
+    """Refuse engine/trainer settings under which ℓb is not the log-prob the objective assumes.
+
+    The trainer computes ℓθ from logits / T over the full vocabulary. The engine's ℓb must be
+    taken at the same T; top-p/top-k change the sampled distribution, so for P3O/P4O (ratio
+    against πb) they must be off unless the trainer applies the same truncation
+    (``allow_truncation``).
+    """
+    if abs(sampling.temperature - trainer_temperature) > 1e-9:
+        raise SamplingError(
+            f"engine temperature {sampling.temperature} != trainer temperature "
+            f"{trainer_temperature}: behaviour log-probs would come from another distribution")
+    if sampling.truncated and objective in ("p3o", "p4o") and not allow_truncation:
+        raise SamplingError(
+            f"objective {objective!r} takes its ratio against the engine's log-probs, but "
+            f"top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampled distribution "
+            "and the trainer does not: disable them (top_p=1, top_k=0)")

@@ -1,0 +1,94 @@
+"""The structures that cross stage boundaries: sampling parameters, samples, rollout batches.
+
+Why: one ``Sample`` is the contract between the rollout engines (SGLang, embedded) and the
+trainer; nothing else passes between those stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+
+class SamplingError(ValueError):
+    """Sampling parameters that cannot be honoured; the message names the parameter."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine samples. The behaviour log-probs are those of *this* distribution.
+
+    Attributes:
+        temperature: softmax temperature T > 0 (the trainer must use the same T).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        max_new_tokens: completion length limit (≥ 1).
+        stop_token_ids: tokens that end a completion (kept in it).
+        seed: sampling seed (None: nondeterministic).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: Tuple[int, ...] = ()
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise SamplingError(f"sampling.temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"sampling.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise SamplingError(f"sampling.top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.max_new_tokens < 1:
+            raise SamplingError(f"sampling.max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    @property
+    def truncated(self) -> bool:
+        """True when top-p or top-k changes the distribution sampled from."""
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt.
+
+    Attributes:
+        prompt_ids: prompt token ids.
+        completion_ids: generated token ids.
+        logprobs: behaviour log-prob of each completion token under the distribution sampled
+            from (temperature, and top-p/top-k truncation if enabled), in the engine's precision.
+        finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
+        weight_version: the engine's weight version when the sample was generated.
+        group_id: index of the prompt in the request (the G completions of a prompt share it).
+        reward: filled by the reward stage.
+        meta: free-form (answer, data index...).
+    """
+
+    prompt_ids: List[int]
+    completion_ids: List[int]
+    logprobs: List[float]
+    finish_reason: str
+    weight_version: int
+    group_id: int = 0
+    reward: Optional[float] = None
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.completion_ids) != len(self.logprobs):
+            raise ValueError(f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
+                             f"{len(self.logprobs)} log-probs")
+
+
+@dataclass
+class RolloutBatch:
+    """The samples of one generate call, with the parameters they were sampled with."""
+
+    samples: List[Sample]
+    sampling: SamplingParams
+    engine: str
+
+    @property
+    def weight_versions(self) -> Sequence[int]:
+        return sorted({s.weight_version for s in self.samples})

@@ -1,0 +1,143 @@
+"""Embedded engine: sampling log-probs vs teacher forcing, truncation semantics, seeding, FP8
+simulation, weight updates and parameter validation."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from megatron_p3o.rollout.embedded import (EmbeddedEngine, fp8_quant_dequant, max_abs_diff,
+                                           sampling_logprobs)
+from megatron_p3o.rollout.engine import check_behaviour_semantics
+from megatron_p3o.types import SamplingError, SamplingParams
+
+PROMPTS = [[1, 2, 3, 4], [7, 8], [9, 10, 11, 12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m
+
+
+def _engine(hf_model, precision):
+    e = EmbeddedEngine(hf_model.config.to_dict(), precision)
+    e.update_weights([list(hf_model.state_dict().items())], version=7)
+    return e
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-5), ("bf16", 5e-2), ("fp8", 5e-2)])
+def test_sampling_logprobs_equal_teacher_forcing(hf_model, precision, tol):
+    e = _engine(hf_model, precision)
+    sp = SamplingParams(temperature=0.8, max_new_tokens=12, seed=1)
+    samples = e.generate(PROMPTS, 2, sp)
+    assert [s.group_id for s in samples] == [0, 0, 1, 1, 2, 2]
+    assert all(s.weight_version == 7 and len(s.completion_ids) == 12 for s in samples)
+    tf = e.score([s.prompt_ids for s in samples], [s.completion_ids for s in samples], sp)
+    assert max_abs_diff([s.logprobs for s in samples], tf) < tol
+
+
+def test_fp32_engine_matches_transformers_forward(hf_model):
+    """The engine's fp32 log-probs are those of the plain transformers model at temperature T."""
+    e = _engine(hf_model, "fp32")
+    sp = SamplingParams(temperature=0.7, max_new_tokens=6, seed=2)
+    s = e.generate([PROMPTS[0]], 1, sp)[0]
+    ids = torch.tensor([s.prompt_ids + s.completion_ids])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(s.prompt_ids) - 1:-1].double()
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+    assert (torch.tensor(s.logprobs, dtype=torch.float64) - ref).abs().max() < 1e-5
+
+
+def test_lower_precisions_differ_measurably(hf_model):
+    sp = SamplingParams(max_new_tokens=10, seed=4)
+    ref = _engine(hf_model, "fp32")
+    samples = ref.generate(PROMPTS, 1, sp)
+    comp = [s.completion_ids for s in samples]
+    base = ref.score(PROMPTS, comp, sp)
+    diffs = {p: max_abs_diff(_engine(hf_model, p).score(PROMPTS, comp, sp), base)
+             for p in ("bf16", "fp16", "fp8", "fp8_block")}
+    assert all(d > 1e-5 for d in diffs.values()), diffs
+    assert diffs["fp16"] < diffs["bf16"], diffs  # fp16 has 3 more mantissa bits
+
+
+def test_seeded_sampling_is_reproducible(hf_model):
+    e = _engine(hf_model, "bf16")
+    sp = SamplingParams(max_new_tokens=8, seed=11)
+    a, b = e.generate(PROMPTS, 2, sp), e.generate(PROMPTS, 2, sp)
+    c = e.generate(PROMPTS, 2, SamplingParams(max_new_tokens=8, seed=12))
+    assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
+    assert [s.completion_ids for s in a] != [s.completion_ids for s in c]
+
+
+def test_stop_tokens_end_a_completion(hf_model):
+    e = _engine(hf_model, "fp32")
+    free = e.generate(PROMPTS, 1, SamplingParams(max_new_tokens=10, seed=5))
+    stop = free[0].completion_ids[3]
+    s = e.generate(PROMPTS, 1, SamplingParams(max_new_tokens=10, seed=5, stop_token_ids=(stop,)))
+    first = s[0].completion_ids
+    assert s[0].finish_reason == "stop" and first[-1] == stop and stop not in first[:-1]
+    assert len(first) <= 4
+
+
+def test_truncated_distribution_logprobs():
+    z = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    lp = sampling_logprobs(z, SamplingParams(temperature=1.0, top_k=2))
+    ref = torch.log_softmax(torch.tensor([2.0, 1.0]), -1)
+    assert torch.allclose(lp[0, :2], ref) and torch.isinf(lp[0, 2:]).all()
+    p = torch.softmax(z, -1)[0]
+    lp = sampling_logprobs(z, SamplingParams(top_p=float(p[0] + p[1] - 1e-3)))
+    assert torch.isfinite(lp[0, :2]).all() and torch.isinf(lp[0, 2:]).all()
+    assert abs(float(lp[0, :2].exp().sum()) - 1) < 1e-6
+
+
+def test_fp8_simulation_rounds_like_e4m3():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 384, generator=g)
+    q = fp8_quant_dequant(w)
+    qb = fp8_quant_dequant(w, 128)
+    rel = lambda a: float((a - w).norm() / w.norm())  # noqa: E731
+    assert 1e-3 < rel(q) < 0.06 and 1e-3 < rel(qb) < 0.06
+    assert rel(qb) <= rel(q)  # finer scales lose less
+    scale = w.abs().max() / 448
+    assert torch.equal(q, (w / scale).to(torch.float8_e4m3fn).float() * scale)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(temperature=0.0), "temperature=0.0"),
+    (dict(top_k=-1), "top_k=-1"),
+])
+def test_bad_sampling_params(kw, needle):
+    with pytest.raises(SamplingError, match=needle.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        SamplingParams(**kw)
+
+
+def test_bad_n_and_missing_weights(hf_model):
+    e = EmbeddedEngine(hf_model.config.to_dict(), "fp32")
+    with pytest.raises(RuntimeError, match="no weights loaded"):
+        e.generate(PROMPTS, 1, SamplingParams())
+    e.update_weights([list(hf_model.state_dict().items())], 0)
+    with pytest.raises(ValueError, match="n=0"):
+        e.generate(PROMPTS, 0, SamplingParams())
+    partial = [(k, v) for k, v in hf_model.state_dict().items() if "layers.1." not in k]
+    with pytest.raises(ValueError, match="tensors were not sent"):
+        e.update_weights([partial], 1)
+    with pytest.raises(ValueError, match=r"shape \(3, 3\)"):
+        e.update_weights([[("model.norm.weight", torch.zeros(3, 3))]], 1)
+
+
+def test_behaviour_semantics_are_enforced():
+    check_behaviour_semantics(SamplingParams(temperature=0.7), 0.7, "p3o")
+    with pytest.raises(SamplingError, match="temperature 0.7 != trainer temperature 1.0"):
+        check_behaviour_semantics(SamplingParams(temperature=0.7), 1.0, "p3o")
+    with pytest.raises(SamplingError, match="top_p=0.9"):
+        check_behaviour_semantics(SamplingParams(top_p=0.9), 1.0, "p3o")
+    check_behaviour_semantics(SamplingParams(top_p=0.9), 1.0, "grpo")
