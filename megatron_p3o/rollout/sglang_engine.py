@@ -1,5 +1,6 @@
-"""SGLang rollout engine: launch or attach to a server, generate with behaviour log-probs, and
-push weights (NCCL broadcast, colocated tensors, or from disk).
+"""SGLang rollout engine: launch or attach to a server (or router), generate with behaviour
+log-probs, and push weights: NCCL broadcast (``update_weights``), CUDA IPC when colocated
+(``update_weights_colocated``) or a checkpoint on disk (``update_weights_from_disk``).
 
 Request and response fields follow SGLang's own server code (0.5.x, read from its wheel):
 ``POST /generate`` with ``input_ids``, ``sampling_params`` and ``return_logprob``; the response's
@@ -303,4 +304,20 @@ class SGLangEngine(RolloutEngine):
                 resp = fut.result()
             if not resp.get("success", False):
                 raise EngineResponseError(f"update_weights_from_distributed failed: {resp.get('message')}")
+        self.weight_version = version
+
+    def update_weights_colocated(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Colocated trainer and server on the same GPUs: hand CUDA tensors over by IPC handle
+        (``/update_weights_from_tensor``; one serialized copy per server TP rank)."""
+        from sglang.srt.utils import MultiprocessingSerializer  # GPU clusters only
+
+        buckets = list(buckets)
+        for i, bucket in enumerate(buckets):
+            named = [(n, t.cuda().contiguous()) for n, t in bucket]
+            blob = MultiprocessingSerializer.serialize(named, output_str=True)
+            resp = self._post_with_recovery("/update_weights_from_tensor", {
+                "serialized_named_tensors": [blob] * self.cfg.tp_size,
+                "flush_cache": i == len(buckets) - 1, "weight_version": str(version)})
+            if not resp.get("success", False):
+                raise EngineResponseError(f"update_weights_from_tensor failed: {resp.get('message')}")
         self.weight_version = version
