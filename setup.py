@@ -24,6 +24,7 @@ setup(
         "numpy",
         "rich",
         "packaging",
+        "math-verify[antlr4_13_2]",  # math answer rewards
     ],
     extras_require={
         # GPU clusters only. NVIDIA apex is optional and built from source; never the PyPI 'apex'.

@@ -1,0 +1,56 @@
+"""Resolve ``reward.kind`` to a function ``(completion_text, answer) -> float`` and score samples.
+
+A reward function that raises or returns a non-finite value stops the run with an error naming
+the sample (its index, prompt group and the offending value) — not a crash deep in the loss.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable, List, Sequence
+
+RewardFn = Callable[[str, str], float]
+
+
+class RewardError(ValueError):
+    pass
+
+
+def build_reward(kind: str, function: str = "") -> RewardFn:
+    """``math_verify``, ``exact_match`` or ``python`` (``function = "module:callable"``)."""
+    if kind == "math_verify":
+        from .math_answer import math_verify_reward
+
+        return math_verify_reward
+    if kind == "exact_match":
+        from .exact_match import exact_match_reward
+
+        return exact_match_reward
+    if kind == "python":
+        if ":" not in function:
+            raise RewardError(f"reward.function={function!r} must be 'module:callable'")
+        mod, name = function.split(":", 1)
+        try:
+            fn = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError) as e:
+            raise RewardError(f"reward.function={function!r} cannot be imported: {e}") from None
+        if not callable(fn):
+            raise RewardError(f"reward.function={function!r} is not callable")
+        return fn
+    raise RewardError(f"reward.kind={kind!r}; choose math_verify, exact_match or python")
+
+
+def score_samples(fn: RewardFn, completions: Sequence[str], answers: Sequence[str],
+                  group_ids: Sequence[int]) -> List[float]:
+    out = []
+    for i, (c, a, g) in enumerate(zip(completions, answers, group_ids)):
+        try:
+            r = float(fn(c, a))
+        except Exception as e:  # noqa: BLE001 - re-raised with the sample named
+            raise RewardError(f"reward function failed on sample {i} (prompt group {g}): "
+                              f"{type(e).__name__}: {e}") from e
+        if not math.isfinite(r):
+            raise RewardError(f"reward function returned {r} for sample {i} (prompt group {g})")
+        out.append(r)
+    return out
