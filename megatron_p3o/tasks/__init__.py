@@ -1,0 +1,1 @@
+"""Small verifiable tasks for CPU recipes and tests."""

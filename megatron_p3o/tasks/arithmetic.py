@@ -1,0 +1,47 @@
+"""Multi-digit addition as a verifiable RL task, with a character-level HF tokenizer.
+
+Prompt ``"37+45="``, answer ``"82"``; the completion is the answer's digits then ``<eos>``.
+Deterministic splits: the held-out pairs never appear in training.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import List, Tuple
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+CHARS = list("0123456789+=")
+
+
+def make_tokenizer(out_dir: Path):
+    """A character-level ``PreTrainedTokenizerFast`` saved to ``out_dir``."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def splits(digits: int = 2, heldout: int = 500, seed: int = 0) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """(train pairs, held-out pairs) of ``digits``-digit operands."""
+    hi = 10 ** digits
+    pairs = [(a, b) for a in range(hi) for b in range(hi)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[heldout:], pairs[:heldout]
+
+
+def prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def write_jsonl(pairs, path: Path) -> None:
+    with open(path, "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": prompt(a, b), "answer": str(a + b)}) + "\n")
