@@ -25,6 +25,7 @@ setup(
         "rich",
         "packaging",
         "math-verify[antlr4_13_2]",  # math answer rewards
+        "datasets",  # prompt files (jsonl, parquet)
     ],
     extras_require={
         # GPU clusters only. NVIDIA apex is optional and built from source; never the PyPI 'apex'.

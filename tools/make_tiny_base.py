@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def greedy_accuracy(model, tok, pairs, max_new=4) -> float:
-    from megatron_p3o.tasks.arithmetic import prompt
+    from megatron_p3o.tasks.arithmetic import answer, prompt
 
     ok = 0
     model.eval()
@@ -38,7 +38,7 @@ def greedy_accuracy(model, tok, pairs, max_new=4) -> float:
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
             for (a, b), row in zip(chunk, out[:, L:]):
                 text = tok.decode(row, skip_special_tokens=True).replace(" ", "")
-                ok += text == str(a + b)
+                ok += text == answer(a, b)
     model.train()
     return ok / len(pairs)
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from rich.progress import Progress
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_p3o.tasks.arithmetic import make_tokenizer, prompt, splits, write_jsonl
+    from megatron_p3o.tasks.arithmetic import answer, make_tokenizer, prompt, splits, write_jsonl
 
     out = Path(a.out)
     if (out / "base.json").is_file():
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         task = bar.add_task("SFT warm-up", total=a.steps)
         for step in range(a.steps):
             idx = torch.randint(0, len(train), (128,), generator=g).tolist()
-            seqs = [tok.encode("<bos>" + prompt(*train[i]) + str(sum(train[i])) + "<eos>") for i in idx]
+            seqs = [tok.encode("<bos>" + prompt(*train[i]) + answer(*train[i]) + "<eos>") for i in idx]
             plen = [len(tok.encode("<bos>" + prompt(*train[i]))) for i in idx]
             L = max(map(len, seqs))
             x = torch.full((len(seqs), L), tok.pad_token_id)

@@ -1,7 +1,9 @@
 """Multi-digit addition as a verifiable RL task, with a character-level HF tokenizer.
 
-Prompt ``"37+45="``, answer ``"82"``; the completion is the answer's digits then ``<eos>``.
-Deterministic splits: the held-out pairs never appear in training.
+Prompt ``"37+45="``, answer ``"28"``: the sum written least-significant digit first (82 reversed),
+so each digit depends only on the operands and the carry — learnable by a 2-layer model on a CPU
+in minutes. The completion is the answer's digits then ``<eos>``. Deterministic splits: the
+held-out pairs never appear in training.
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ def prompt(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
+def answer(a: int, b: int) -> str:
+    """The sum, least-significant digit first."""
+    return str(a + b)[::-1]
+
+
 def write_jsonl(pairs, path: Path) -> None:
     with open(path, "w") as f:
         for a, b in pairs:
-            f.write(json.dumps({"prompt": prompt(a, b), "answer": str(a + b)}) + "\n")
+            f.write(json.dumps({"prompt": prompt(a, b), "answer": answer(a, b)}) + "\n")

@@ -1,0 +1,74 @@
+"""The main job end to end, as a user runs it: base model tool, then the trainer CLI on one
+process and under torchrun (2 ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "base"
+    r = subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_base.py"), "--out", str(out),
+                        "--steps", "25", "--target-acc", "0"], capture_output=True, text=True, env=ENV,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "base.json").read_text())["sft_steps"] == 25
+    return out
+
+
+def _sets(base, run_dir, name, steps=2):
+    return ["--set", f"model.checkpoint={base / 'ckpt'}", "--set", f"data.path={base / 'train.jsonl'}",
+            "--set", f"data.eval_path={base / 'heldout.jsonl'}", "--set", f"steps={steps}",
+            "--set", f"run.dir={run_dir}", "--set", f"run.name={name}", "--set", "data.eval_every=0",
+            "--set", "batch.prompts_per_rollout=8"]
+
+
+def _check_run(run: Path, steps: int, out: str):
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    for m in lines:
+        for key in ("ess", "loss", "reward_mean", "abs_logprob_diff", "ratio_p99", "rollout_s",
+                    "train_s", "grad_norm", "weight_version", "n_tokens"):
+            assert key in m, key
+        assert 0 < m["ess"] <= 1 and m["weight_version"] == m["step"]
+    assert (run / f"checkpoint-step{steps:06d}" / "metadata.json").is_file()
+    assert "held-out accuracy before training" in out and "change:" in out
+
+
+@pytest.mark.e2e
+def test_single_process_run(base, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
+                        *_sets(base, tmp_path, "one")], capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    _check_run(tmp_path / "one", 2, r.stdout)
+    cfg = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert cfg["loss"]["objective"] == "p3o" and cfg["rollout"]["precision"] == "bf16"
+
+
+@pytest.mark.e2e
+@pytest.mark.distributed
+def test_torchrun_two_ranks(base, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", "29741", "-m", "megatron_p3o.train",
+                        str(ROOT / "recipes/tiny_cpu.yaml"), *_sets(base, tmp_path, "two"),
+                        "--set", "batch.micro_batch_size=16"],
+                       capture_output=True, text=True, env=ENV, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    _check_run(tmp_path / "two", 2, r.stdout)
+
+
+@pytest.mark.e2e
+def test_bad_config_one_clear_message(base, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
+                        *_sets(base, tmp_path, "bad"), "--set", "optim.lrr=1"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode != 0
+    assert "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)" in r.stderr
