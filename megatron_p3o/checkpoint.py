@@ -36,25 +36,34 @@ def _barrier():
 
 
 def save_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path,
-                     extra_files: Dict[str, dict] | None = None) -> Path:
-    """Write the model's sharded state to ``ckpt_dir`` atomically (all ranks call this)."""
+                     extra_files: Dict[str, dict] | None = None, state: Dict | None = None,
+                     rank_payload: object = None) -> Path:
+    """Write a checkpoint to ``ckpt_dir`` atomically (all ranks call this).
+
+    ``state``: more entries for the same dist checkpoint (sharded optimizer state, or plain
+    objects such as the scheduler, stored once in common.pt). ``rank_payload``: a per-rank
+    object (RNG states) written as ``rank/<global rank>.pt``. ``extra_files``: JSON files.
+    """
     from megatron.core import dist_checkpointing
 
     final = Path(ckpt_dir)
     tmp = final.with_name(final.name + ".tmp")
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
         if final.exists():
             raise FileExistsError(f"checkpoint directory {final} already exists; refusing to overwrite")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        (tmp / "rank").mkdir(parents=True)
     _barrier()
-    dist_checkpointing.save(sharded_model_state(chunks), str(tmp))
-    if rank0:
+    sd = sharded_model_state(chunks) if state is None else state
+    dist_checkpointing.save(sd, str(tmp))
+    if rank_payload is not None:
+        torch.save(rank_payload, tmp / "rank" / f"{rank}.pt")
+    if rank == 0:
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True))
     _barrier()
-    if rank0:
+    if rank == 0:
         os.replace(tmp, final)
     _barrier()
     return final
@@ -70,3 +79,83 @@ def load_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) ->
     loaded = dist_checkpointing.load(sharded_model_state(chunks), str(ckpt_dir))
     for i, c in enumerate(chunks):
         _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=True)
+
+
+# -- training checkpoints: model + optimizer + scheduler + trainer state + per-rank RNG --------
+
+LATEST = "latest"
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(st: dict) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    get_cuda_rng_tracker().set_states(st["tracker"])
+
+
+def save_training_checkpoint(run_dir: str | Path, step: int, chunks, optimizer, scheduler,
+                             trainer_state: dict, keep_last: int = 2) -> Path:
+    """``run_dir/checkpoints/step_NNNNNN`` (atomic), then the ``latest`` pointer (atomic), then
+    pruning to the newest ``keep_last``. An interrupted save leaves ``latest`` on the previous one."""
+    root = Path(run_dir) / "checkpoints"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    model_sd = sharded_model_state(chunks)
+    state = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd),
+             "scheduler": scheduler.state_dict(), "trainer": dict(trainer_state, step=step)}
+    final = save_model_state(chunks, root / f"step_{step:06d}", state=state, rank_payload=_rng_state())
+    if rank == 0:
+        tmp = root / f".{LATEST}.tmp"
+        tmp.write_text(final.name)
+        os.replace(tmp, root / LATEST)
+        done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
+                      and not p.name.endswith(".tmp"))
+        for old in done[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    p = Path(run_dir) / "checkpoints" / LATEST
+    if not p.is_file():
+        return None
+    ckpt = p.parent / p.read_text().strip()
+    if not (ckpt / "metadata.json").is_file():
+        raise FileNotFoundError(f"{p} points at {ckpt}, which is not a complete checkpoint")
+    return ckpt
+
+
+def load_training_checkpoint(ckpt: Path, chunks, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = sharded_model_state(chunks)
+    request = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    loaded = dist_checkpointing.load(request, str(ckpt))
+    for i, c in enumerate(chunks):
+        _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    scheduler.load_state_dict(common["scheduler"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng = Path(ckpt) / "rank" / f"{rank}.pt"
+    if rng.is_file():  # a different world size cannot restore per-rank RNG: keep the fresh seeds
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return dict(common["trainer"])

@@ -24,6 +24,7 @@ def main(argv=None) -> int:
 
     from megatron_p3o.config import load_config
     from megatron_p3o.parallel import Layout, init_distributed, initialize
+    from megatron_p3o.checkpoint import latest_checkpoint
     from megatron_p3o.trainer import Trainer
 
     cfg = load_config(a.recipe, a.set)
@@ -34,12 +35,14 @@ def main(argv=None) -> int:
     con = Console(quiet=groups.rank != 0)
     trainer = Trainer(cfg, groups)
     acc = {}
+    if trainer.resumed_from is not None:
+        con.print(f"resumed from {trainer.resumed_from} (step {trainer.step_idx})")
     if cfg.data.eval_path:
-        acc[0] = trainer.evaluate(cfg.data.eval_path)
-        con.print(f"held-out accuracy before training: {acc[0]:.3f}")
+        acc[trainer.step_idx] = trainer.evaluate(cfg.data.eval_path)
+        con.print(f"held-out accuracy before training: {acc[trainer.step_idx]:.3f}")
     with Progress(console=con, disable=groups.rank != 0) as bar:
-        task = bar.add_task(f"{cfg.loss.objective} training", total=cfg.steps)
-        for _ in range(cfg.steps):
+        task = bar.add_task(f"{cfg.loss.objective} training", total=cfg.steps, completed=trainer.step_idx)
+        for _ in range(max(cfg.steps - trainer.step_idx, 0)):
             m = trainer.step()
             bar.advance(task)
             con.print(f"step {m['step']:4d}  reward {m['reward_mean']:.3f}  ess {m.get('ess', float('nan')):.3f}  "
@@ -50,7 +53,9 @@ def main(argv=None) -> int:
                 con.print(f"held-out accuracy at step {m['step']}: {acc[m['step']]:.3f}")
     if cfg.data.eval_path:
         acc[trainer.step_idx] = trainer.evaluate(cfg.data.eval_path)
-    ckpt = trainer.save()
+    ckpt = latest_checkpoint(trainer.run_dir)
+    if ckpt is None or ckpt.name != f"step_{trainer.step_idx:06d}":
+        ckpt = trainer.save_checkpoint()
     t = Table(title=f"{cfg.run.name}: held-out greedy accuracy ({cfg.rollout.precision} rollouts, "
                     f"{cfg.model.params_dtype} trainer, {cfg.loss.objective})")
     t.add_column("step")

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from .advantage import group_advantages
 from .batching import samples_to_microbatches
-from .checkpoint import load_model_state, save_model_state
+from .checkpoint import (latest_checkpoint, load_model_state, load_training_checkpoint,
+                         save_training_checkpoint)
 from .config import TrainConfig, to_dict
 from .hf.dist_stream import read_meta
 from .loss import build_objective
@@ -77,6 +78,11 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        self.resumed_from = latest_checkpoint(self.run_dir)
+        if self.resumed_from is not None:  # the same command again continues the run
+            st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
+            self.step_idx = int(st["step"])
+            self.data.load_state(st["data"][str(groups.dp_rank)])
         self.sync_weights()
 
     # -- stages ---------------------------------------------------------------------------------
@@ -125,6 +131,8 @@ class Trainer:
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
         t["train_s"] = time.perf_counter() - t2
         self.step_idx += 1
+        if cfg.checkpoint.every and self.step_idx % cfg.checkpoint.every == 0:
+            self.save_checkpoint()
         if self.step_idx % cfg.rollout.sync_every == 0:
             t3 = time.perf_counter()
             self.sync_weights()
@@ -162,7 +170,11 @@ class Trainer:
             dist.all_reduce(t, group=self.groups.dp)
         return float(t[0] / t[1])
 
-    def save(self) -> Path:
-        out = self.run_dir / f"checkpoint-step{self.step_idx:06d}"
-        save_model_state(self.chunks, out)
-        return out
+    def save_checkpoint(self) -> Path:
+        """Model, optimizer, scheduler, RNG, every DP rank's data cursor and the step."""
+        cursors: List = [None] * self.groups.world_size
+        # World: each DP rank has its own cursor; rank 0 stores them all in the common state.
+        dist.all_gather_object(cursors, (self.groups.dp_rank, self.data.state()))
+        state = {"data": {str(r): c for r, c in cursors}, "weight_version": self.engine.weight_version}
+        return save_training_checkpoint(self.run_dir, self.step_idx, self.chunks, self.opt, self.sched,
+                                        state, keep_last=self.cfg.checkpoint.keep_last)

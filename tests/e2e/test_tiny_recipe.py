@@ -39,7 +39,8 @@ def _check_run(run: Path, steps: int, out: str):
                     "train_s", "grad_norm", "weight_version", "n_tokens"):
             assert key in m, key
         assert 0 < m["ess"] <= 1 and m["weight_version"] == m["step"]
-    assert (run / f"checkpoint-step{steps:06d}" / "metadata.json").is_file()
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{steps:06d}"
+    assert (run / "checkpoints" / f"step_{steps:06d}" / "metadata.json").is_file()
     assert "held-out accuracy before training" in out and "change:" in out
 
 

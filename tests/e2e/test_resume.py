@@ -1,0 +1,94 @@
+"""Checkpoint/resume as a user meets it: re-running the same command continues the run, and a
+run killed in the middle of a checkpoint write leaves the previous checkpoint in charge."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from .test_tiny_recipe import ENV, ROOT, _sets, base  # noqa: F401  (module fixture)
+
+RECIPE = str(ROOT / "recipes/tiny_cpu.yaml")
+
+
+def _train(base, run_dir, name, steps, *extra, code=None):
+    args = [RECIPE, *_sets(base, run_dir, name, steps), "--set", "checkpoint.every=2",
+            "--set", "checkpoint.keep_last=3", *extra]
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "megatron_p3o.train", *args]
+    out, err = run_dir / f"{name}.out", run_dir / f"{name}.err"
+    # Output to files and a process group of its own: a killed trainer can leave the checkpoint
+    # writer's helper processes behind, holding pipes open; they are reaped with the group.
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=ENV, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return SimpleNamespace(returncode=rc, stdout=out.read_text(), stderr=err.read_text())
+
+
+def _tensors(ckpt: Path, tmp: Path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{ckpt.parent.parent.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    sd = torch.load(out, weights_only=False)
+    return {k: v for k, v in sd.items() if torch.is_tensor(v)}
+
+
+@pytest.mark.e2e
+def test_four_steps_equal_two_plus_resume_plus_two(base, tmp_path):
+    a = _train(base, tmp_path, "straight", 4)
+    assert a.returncode == 0, a.stderr[-3000:]
+    b1 = _train(base, tmp_path, "resumed", 2)
+    assert b1.returncode == 0, b1.stderr[-3000:]
+    b2 = _train(base, tmp_path, "resumed", 4)
+    assert b2.returncode == 0, b2.stderr[-3000:]
+    assert "resumed from" in b2.stdout and "step_000002" in b2.stdout
+    ta = _tensors(tmp_path / "straight" / "checkpoints" / "step_000004", tmp_path)
+    tb = _tensors(tmp_path / "resumed" / "checkpoints" / "step_000004", tmp_path)
+    assert ta.keys() == tb.keys() and any("optimizer" in k for k in ta), sorted(ta)[:5]
+    diff = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not diff, diff
+    ma = (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+    mb = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert len(ma) == len(mb) == 4
+
+
+CRASH = """
+import os, sys
+import megatron.core.dist_checkpointing as dc
+orig, calls = dc.save, {"n": 0}
+def crashing(*a, **k):
+    calls["n"] += 1
+    orig(*a, **k)            # the chunks are on disk (in the .tmp directory) ...
+    if calls["n"] == 2:
+        os._exit(9)          # ... and the process dies before the rename and the pointer
+dc.save = crashing
+from megatron_p3o.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.e2e
+def test_kill_during_checkpoint_write_keeps_previous(base, tmp_path):
+    from megatron_p3o.checkpoint import latest_checkpoint
+
+    r = _train(base, tmp_path, "crash", 6, code=CRASH)
+    assert r.returncode == 9, r.stderr[-2000:]
+    ck = tmp_path / "crash" / "checkpoints"
+    assert (ck / "latest").read_text() == "step_000002"
+    assert (ck / "step_000004.tmp").is_dir() and not (ck / "step_000004").exists()
+    assert latest_checkpoint(tmp_path / "crash").name == "step_000002"
+    again = _train(base, tmp_path, "crash", 6)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "step_000002" in again.stdout
+    assert (ck / "latest").read_text() == "step_000006" and not (ck / "step_000004.tmp").exists()
