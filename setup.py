@@ -26,6 +26,7 @@ setup(
         "packaging",
         "math-verify[antlr4_13_2]",  # math answer rewards
         "datasets",  # prompt files (jsonl, parquet)
+        "tensorboard",  # scalars next to metrics.jsonl
     ],
     extras_require={
         # GPU clusters only. NVIDIA apex is optional and built from source; never the PyPI 'apex'.

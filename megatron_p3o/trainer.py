@@ -75,9 +75,13 @@ class Trainer:
         self.step_idx = 0
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.rank0 = groups.rank == 0
+        self.tb = None
         if self.rank0:
+            from torch.utils.tensorboard import SummaryWriter
+
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.resumed_from = latest_checkpoint(self.run_dir)
         if self.resumed_from is not None:  # the same command again continues the run
             st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
@@ -145,6 +149,10 @@ class Trainer:
         if self.rank0:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(out) + "\n")
+            for k, v in out.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, self.step_idx)
+            self.tb.flush()
         return out
 
     def _reduce_reward(self, out: Dict[str, float]) -> None:
@@ -168,7 +176,11 @@ class Trainer:
         if self.groups.layout.dp > 1:
             # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
             dist.all_reduce(t, group=self.groups.dp)
-        return float(t[0] / t[1])
+        acc = float(t[0] / t[1])
+        if self.tb is not None:
+            self.tb.add_scalar("eval/heldout_accuracy", acc, self.step_idx)
+            self.tb.flush()
+        return acc
 
     def save_checkpoint(self) -> Path:
         """Model, optimizer, scheduler, RNG, every DP rank's data cursor and the step."""

@@ -42,6 +42,13 @@ def _check_run(run: Path, steps: int, out: str):
     assert (run / "checkpoints" / "latest").read_text() == f"step_{steps:06d}"
     assert (run / "checkpoints" / f"step_{steps:06d}" / "metadata.json").is_file()
     assert "held-out accuracy before training" in out and "change:" in out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(run / "tensorboard"))
+    ev.Reload()
+    tags = ev.Tags()["scalars"]
+    assert {"train/ess", "train/loss", "train/reward_mean", "eval/heldout_accuracy"} <= set(tags)
+    assert [e.step for e in ev.Scalars("train/ess")] == list(range(1, steps + 1))
 
 
 @pytest.mark.e2e
