@@ -144,6 +144,8 @@ class Trainer:
         toks = sum(len(s.completion_ids) for s in samples)
         out = {"step": self.step_idx, **metrics, **t, "reward_mean": float(sum(rewards) / len(rewards)),
                "completion_len": toks / len(samples), "rollout_tok_per_s": toks / max(t["rollout_s"], 1e-9),
+               "train_tok_per_s": cfg.batch.epochs * metrics.get("n_tokens", 0.0) * cfg.batch.minibatches
+               / max(t["train_s"], 1e-9),
                "weight_version": self.engine.weight_version, "lr": self.opt.param_groups[0]["lr"]}
         self._reduce_reward(out)
         if self.rank0:
