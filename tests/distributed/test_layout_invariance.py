@@ -15,22 +15,6 @@ from . import bodies
 REL_TOL = 1e-5
 
 
-@pytest.fixture(scope="session")
-def init_ckpts(pools, tmp_path_factory):
-    """One random checkpoint per model family, written at TP=1 (DP=2)."""
-    root = tmp_path_factory.mktemp("init")
-    made = {}
-
-    def get(family):
-        if family not in made:
-            path = str(root / family)
-            pools(2).run(bodies.save_init, Layout(), family=family, out=path)
-            made[family] = path
-        return made[family]
-
-    return get
-
-
 def _assemble(results, family, n_micro, dp):
     """Full ``[B, S, V]`` logits and ``[B, S]`` log-probs from the last-stage ranks' shards."""
     vocab = bodies.FAMILIES[family]["vocab_size"]

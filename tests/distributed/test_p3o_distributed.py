@@ -5,7 +5,6 @@ import pytest
 from megatron_p3o.parallel import Layout
 
 from . import p3o_bodies
-from .test_layout_invariance import init_ckpts  # noqa: F401  (session fixture)
 
 LAYOUTS = [Layout(tp=2), Layout(pp=2), Layout(cp=2), Layout(dp=2)]
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .test_tiny_recipe import ENV, ROOT, _sets, base  # noqa: F401  (module fixture)
+from .cli import ENV, ROOT
+from .test_tiny_recipe import _sets
 
 RECIPE = str(ROOT / "recipes/tiny_cpu.yaml")
 

@@ -2,26 +2,13 @@
 process and under torchrun (2 ranks)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    out = tmp_path_factory.mktemp("e2e") / "base"
-    r = subprocess.run([sys.executable, str(ROOT / "tools/make_tiny_base.py"), "--out", str(out),
-                        "--steps", "25", "--target-acc", "0"], capture_output=True, text=True, env=ENV,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((out / "base.json").read_text())["sft_steps"] == 25
-    return out
+from .cli import ENV, ROOT
 
 
 def _sets(base, run_dir, name, steps=2):

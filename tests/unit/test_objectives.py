@@ -57,7 +57,7 @@ def _surr(r, A, lo, hi):
 
 
 def ref_loss(name, x):
-    lp, lb, lold, lref, m = x["lp"], x["lb"], x["lold"], x["lref"], x["mask"]
+    lp, lb, lold, m = x["lp"], x["lb"], x["lold"], x["mask"]
     A = x["adv"][:, None].expand_as(lp)
     if name == "p3o":
         e = _ess(lp, lb, m)

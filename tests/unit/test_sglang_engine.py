@@ -97,8 +97,9 @@ def stand_in():
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv
-    srv.shutdown()
-    srv.server_close()
+    if not getattr(srv, "closed_by_test", False):
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_generate_against_stand_in_server(stand_in):
@@ -119,6 +120,7 @@ def test_dead_server_gives_one_clear_error(stand_in):
     eng = SGLangEngine(SGLangConfig(url=f"http://127.0.0.1:{port}", max_retries=1, request_timeout_s=2))
     stand_in.shutdown()
     stand_in.server_close()
+    stand_in.closed_by_test = True
     t0 = time.monotonic()
     with pytest.raises(EngineUnavailableError, match=f"127.0.0.1:{port}.*after 2 attempts"):
         eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
