@@ -67,3 +67,19 @@ def test_bad_config_one_clear_message(base, tmp_path):
                        capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode != 0
     assert "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)" in r.stderr
+
+
+@pytest.mark.e2e
+def test_off_policy_knobs(base, tmp_path):
+    """Several optimizer steps per rollout batch (2 mini-batches × 2 epochs) and a rollout policy
+    refreshed every 2 steps: the engine lags, the recorded weight version shows it, and the step
+    loss sees the off-policy data (e_B < 1)."""
+    r = subprocess.run([sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
+                        *_sets(base, tmp_path, "offp", steps=3), "--set", "batch.minibatches=2",
+                        "--set", "batch.epochs=2", "--set", "batch.micro_batch_size=16",
+                        "--set", "rollout.sync_every=2", "--set", "optim.lr=3e-3"],
+                       capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "offp" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["weight_version"] for m in lines] == [0, 2, 2]
+    assert all(0 < m["ess"] < 1 for m in lines)

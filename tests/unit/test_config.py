@@ -51,6 +51,15 @@ def test_validation_names_the_numbers(overrides, world, needle):
     assert needle in str(e.value), str(e.value)
 
 
+def test_exponent_floats_without_a_dot():
+    """PyYAML reads 3e-3 as a string; float fields accept such literals, nothing else."""
+    assert load_config(None, ["optim.lr=3e-3"]).optim.lr == 3e-3
+    with pytest.raises(ConfigError, match="optim.lr: expected a number, got '3e-3x'"):
+        load_config(None, ["optim.lr=3e-3x"])
+    with pytest.raises(ConfigError, match="batch.micro_batch_size: expected an integer"):
+        load_config(None, ["batch.micro_batch_size=1e3"])
+
+
 def test_missing_recipe_and_bad_set():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml")
