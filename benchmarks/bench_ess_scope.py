@@ -34,7 +34,7 @@ def main():
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
     from megatron_p3o.model.forward import next_token_targets
-    from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp
+    from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp, zero_grads
     from megatron_p3o.parallel import Layout, initialize
 
     groups = initialize(Layout())
@@ -67,9 +67,7 @@ def main():
         for scope, sl in losses.items():  # alternate, so drift hits both alike
             mbs = batch()
             t0 = time.perf_counter()
-            for m in ddp:
-                m.zero_grad_buffer()
-            opt.zero_grad()
+            zero_grads(ddp, opt)
             sl.run(ddp, mbs)
             opt.step()
             sched.step(1)

@@ -7,8 +7,6 @@ Python 3.12. When an upstream signature changes, this is the only file to touch.
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
-
 import megatron.core
 from packaging.version import Version
 
@@ -55,8 +53,3 @@ def megatron_optimizer(config, model_chunks, pg_collection):
         # non-dist checkpoint formats of the distributed optimizer need them).
         kwargs.update(pg_collection=pg_collection, use_gloo_process_groups=False)
     return get_megatron_optimizer(config, model_chunks, **kwargs)
-
-
-@lru_cache(maxsize=None)
-def version_string() -> str:
-    return str(MCORE_VERSION)

@@ -25,7 +25,7 @@ from .loss import build_objective
 from .loss.step_loss import StepLoss, StepLossConfig
 from .model.builder import BuildOptions, build_model
 from .model.description import description_to_hf_config
-from .optim import build_optimizer, build_scheduler, wrap_ddp
+from .optim import build_optimizer, build_scheduler, wrap_ddp, zero_grads
 from .parallel import ParallelGroups
 from .reward import build_reward, score_samples
 from .rollout.embedded import EmbeddedEngine
@@ -126,9 +126,7 @@ class Trainer:
                 mbs = samples_to_microbatches(samples[sl], adv[sl], cfg.model.seq_length,
                                               cfg.batch.micro_batch_size, self.tok.pad_token_id or 0,
                                               first_index=m * per_step)
-                for d in self.ddp:
-                    d.zero_grad_buffer()
-                self.opt.zero_grad()
+                zero_grads(self.ddp, self.opt)
                 metrics = self.loss.run(self.ddp, mbs)
                 ok, gnorm, _ = self.opt.step()
                 self.sched.step(1)

@@ -121,15 +121,6 @@ def mcore_shape(tm: TensorMap, desc: ModelDescription, padded_vocab: int) -> Tup
     return shapes[tm.hf[0]]
 
 
-def check_hf_shape(name: str, tensor: Tensor, desc: ModelDescription, source: str = "") -> None:
-    want = hf_shapes(desc).get(name)
-    if want is None:
-        raise MappingError(f"{source}{name}: not a tensor of {desc.architecture}")
-    if tuple(tensor.shape) != tuple(want):
-        raise MappingError(f"{source}{name}: shape {tuple(tensor.shape)}, expected {tuple(want)} "
-                           f"(from the model's config.json)")
-
-
 def _qkv_groups(desc: ModelDescription) -> Tuple[int, int, int]:
     return desc.num_kv_heads, desc.num_heads // desc.num_kv_heads, desc.head_dim
 

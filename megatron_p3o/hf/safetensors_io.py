@@ -12,14 +12,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..model.description import ModelDescription
-from .mapping import MappingError, check_hf_shape, hf_shapes
+from .mapping import MappingError, hf_shapes
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 SINGLE_WEIGHTS = "model.safetensors"
@@ -58,8 +58,13 @@ class HFCheckpointReader:
             return tuple(h.get_slice(name).get_shape())
 
     def dtype(self) -> torch.dtype:
+        """The checkpoint's dtype, read from the safetensors header (no tensor is loaded)."""
         name = "model.embed_tokens.weight"
-        return self.get(name).dtype if name in self.weight_map else torch.float32
+        if name not in self.weight_map:
+            return torch.float32
+        with safe_open(self.dir / self.weight_map[name], framework="pt") as h:
+            code = h.get_slice(name).get_dtype()
+        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(code, torch.float32)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
@@ -158,13 +163,3 @@ def copy_aux_files(src: Optional[Path], dst: Path) -> list:
             shutil.copy2(p, dst / p.name)
             copied.append(p.name)
     return copied
-
-
-def iter_state_dict(reader: HFCheckpointReader) -> Iterator:
-    for name in reader.weight_map:
-        yield name, reader.get(name)
-
-
-def check_state_dict_shapes(sd: Dict[str, torch.Tensor], desc: ModelDescription) -> None:
-    for name, t in sd.items():
-        check_hf_shape(name, t, desc)

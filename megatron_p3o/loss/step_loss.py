@@ -134,7 +134,8 @@ class StepLoss:
         mask = batch["loss_mask"].to(torch.float32)
         ids = batch.get("sample_index")
         ids = ids.tolist() if ids is not None else None
-        mask = check_finite("behaviour log-prob ℓb", batch["behavior_logprobs"], mask, ids, self.cfg.nonfinite)
+        if self.cfg.nonfinite == "mask":  # "error" was checked once, on every rank, before the step
+            mask = check_finite("behaviour log-prob ℓb", batch["behavior_logprobs"], mask, ids, "mask")
         mask = check_finite("trainer log-prob ℓθ", lp.detach(), mask, ids, self.cfg.nonfinite)
         return lp, ent, mask
 

@@ -201,10 +201,5 @@ class EmbeddedEngine(RolloutEngine):
         return out
 
 
-def mean_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
-    flat = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
-    return sum(flat) / max(len(flat), 1)
-
-
 def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
     return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0) if a else math.nan

@@ -16,7 +16,7 @@ from megatron_p3o.loss.logprob import vocab_parallel_logprobs
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.description import ModelDescription
 from megatron_p3o.model.forward import forward_backward, next_token_targets
-from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp
+from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp, zero_grads
 
 FAMILIES = {
     "llama": dict(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64,
@@ -96,8 +96,7 @@ def layout_grads(groups, family: str, init: str, out: str, n_micro: int = 1):
     batch = make_batch(family)
     n_global = batch["loss_mask"].sum()
     mbs = _split_microbatches(batch, groups, n_micro)
-    for m in ddp:
-        m.zero_grad_buffer()
+    zero_grads(ddp)
     outs = forward_backward(ddp, groups, mbs, nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global))
     with torch.no_grad():
         for c in chunks:
@@ -176,9 +175,7 @@ def optimizer_steps(groups, family: str, init: str, out: str, distributed: bool,
     n_global = batch["loss_mask"].sum()
     norms = []
     for _ in range(steps):
-        for m in ddp:
-            m.zero_grad_buffer()
-        opt.zero_grad()
+        zero_grads(ddp, opt)
         forward_backward(ddp, groups, _split_microbatches(batch, groups, 1),
                          nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global))
         ok, gnorm, _ = opt.step()

@@ -10,7 +10,7 @@ import torch
 from megatron_p3o.checkpoint import load_model_state, save_model_state
 from megatron_p3o.loss import build_objective
 from megatron_p3o.loss.step_loss import StepLoss, StepLossConfig
-from megatron_p3o.optim import OptimConfig, wrap_ddp
+from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
 
 from .bodies import FAMILIES, SEQ, _build, _split_microbatches, grad_errors, make_batch, reference_logprobs
 
@@ -49,8 +49,7 @@ def p3o_grads(groups, family: str, init: str, out: str, n_micro: int, scope: str
     ddp = wrap_ddp(chunks, groups, OptimConfig())
     step = StepLoss(build_objective(objective), groups, FAMILIES[family]["vocab_size"],
                     StepLossConfig(ess_scope=scope))
-    for m in ddp:
-        m.zero_grad_buffer()
+    zero_grads(ddp)
     batch = make_rl_batch(family)
     if objective == "oapl":  # the advantage stage computes A* over whole prompt groups
         from megatron_p3o.loss.oapl import oapl_advantages
