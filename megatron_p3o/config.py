@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from .optim import OptimConfig
+from .replay import ReplayConfig
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,11 @@ class RolloutConfig:
         sampling: sampling parameters.
         sync_every: push weights to the engine every L optimizer steps (OAPL's L).
         max_staleness: asynchronous rollouts may lag the trainer by at most K versions (0: sync).
+        dynamic_sampling: DAPO dynamic sampling — refill groups whose rewards are all equal with
+            fresh prompts, up to ``dynamic_max_rounds`` rounds per batch.
+        logprob_noise: stress tests only — σ of Gaussian noise added to the behaviour log-probs.
+        engine_temperature: stress tests only — let the engine sample at another temperature
+            than the trainer's ``sampling.temperature`` (None: the same, as it must be).
         sglang_url: attach to this server/router instead of launching one.
     """
 
@@ -111,6 +117,10 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sync_every: int = 1
     max_staleness: int = 0
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 3
+    logprob_noise: float = 0.0
+    engine_temperature: Optional[float] = None
     sglang_url: Optional[str] = None
 
 
@@ -182,6 +192,7 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     steps: int = 100
 
     def validate(self, world_size: int) -> "TrainConfig":
@@ -199,6 +210,7 @@ class TrainConfig:
         for path, v, lo in (("steps", self.steps, 1), ("rollout.n_samples", self.rollout.n_samples, 1),
                             ("rollout.sync_every", self.rollout.sync_every, 1),
                             ("rollout.max_staleness", self.rollout.max_staleness, 0),
+                            ("rollout.dynamic_max_rounds", self.rollout.dynamic_max_rounds, 0),
                             ("batch.prompts_per_rollout", self.batch.prompts_per_rollout, 1),
                             ("batch.minibatches", self.batch.minibatches, 1),
                             ("batch.epochs", self.batch.epochs, 1),
@@ -206,6 +218,14 @@ class TrainConfig:
                             ("model.seq_length", self.model.seq_length, 2)):
             if v < lo:
                 raise ConfigError(f"{path}={v} must be >= {lo}")
+        if self.rollout.logprob_noise < 0:
+            raise ConfigError(f"rollout.logprob_noise={self.rollout.logprob_noise} must be >= 0")
+        if self.rollout.engine_temperature is not None and not self.rollout.engine_temperature > 0:
+            raise ConfigError(f"rollout.engine_temperature={self.rollout.engine_temperature} must be > 0")
+        try:
+            self.replay.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             build_objective(self.loss.objective, **self.loss.hyper)
         except ValueError as e:

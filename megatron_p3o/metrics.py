@@ -79,3 +79,14 @@ class StepMetrics:
                 i = int(torch.searchsorted(cdf, torch.tensor(q / 100.0, dtype=torch.float64)))
                 out[f"{n}_p{q}"] = math.exp(-LOG_HIST_RANGE + (i + 0.5) * width)
         return out
+
+    def coarse_hist(self, name: str, half_range: float = 2.0, bins: int = 40) -> list:
+        """The ``name`` log-histogram re-binned to ``bins`` over [−half_range, half_range] (mass
+        outside lands in the end bins): small enough for one line of metrics.jsonl per step."""
+        h = self.hists.get(name)
+        if h is None:
+            return []
+        width = 2 * LOG_HIST_RANGE / LOG_HIST_BINS
+        centers = -LOG_HIST_RANGE + (torch.arange(LOG_HIST_BINS, dtype=torch.float64) + 0.5) * width
+        idx = ((centers + half_range) / (2 * half_range) * bins).floor().clamp(0, bins - 1).long()
+        return torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, h).tolist()

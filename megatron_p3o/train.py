@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ckpt = latest_checkpoint(trainer.run_dir)
     if ckpt is None or ckpt.name != f"step_{trainer.step_idx:06d}":
         ckpt = trainer.save_checkpoint()
+    trainer.close()
     t = Table(title=f"{cfg.run.name}: held-out greedy accuracy ({cfg.rollout.precision} rollouts, "
                     f"{cfg.model.params_dtype} trainer, {cfg.loss.objective})")
     t.add_column("step")

@@ -1,8 +1,11 @@
-"""``Trainer.step()``: generate → reward → advantages → (ESS pre-pass + gradient pass) →
-optimizer step → weight sync. No maths here: each stage is a call into its own module.
+"""``Trainer.step()``: rollout (generate + reward, scheduled) → replay → advantages → (ESS
+pre-pass + gradient pass) → optimizer step → publish weights. No maths here: each stage is a call
+into its own module.
 
 Each DP rank rolls out its own share of the prompts; the model-parallel ranks of one DP rank
 hold identical engines with identical seeds, so they produce identical samples without talking.
+Which weight version generates which batch (sync, lagged every L, async with staleness ≤ K) is
+the rollout scheduler's rule (:mod:`megatron_p3o.rollout.scheduler`).
 """
 
 from __future__ import annotations
@@ -22,17 +25,20 @@ from .checkpoint import (latest_checkpoint, load_model_state, load_training_chec
 from .config import TrainConfig, to_dict
 from .hf.dist_stream import read_meta
 from .loss import build_objective
+from .loss.oapl import oapl_advantages
 from .loss.step_loss import StepLoss, StepLossConfig
 from .model.builder import BuildOptions, build_model
 from .model.description import description_to_hf_config
 from .optim import build_optimizer, build_scheduler, wrap_ddp, zero_grads
 from .parallel import ParallelGroups
+from .replay import ReplayBuffer
 from .reward import build_reward, score_samples
 from .rollout.embedded import EmbeddedEngine
 from .rollout.engine import check_behaviour_semantics
-from .rollout.prompts import PromptData, all_rows
+from .rollout.prompts import PromptData, all_rows, remap_states
+from .rollout.scheduler import Publication, RolloutPlan, RolloutScheduler
 from .types import SamplingParams
-from .weight_sync import iter_hf_buckets, iter_hf_tensors
+from .weight_sync import iter_hf_tensors
 
 
 class Trainer:
@@ -58,6 +64,11 @@ class Trainer:
                                        max_new_tokens=s.max_new_tokens,
                                        stop_token_ids=(eos,) if eos is not None else ())
         check_behaviour_semantics(self.sampling, s.temperature, cfg.loss.objective)
+        engine_sampling = self.sampling
+        if cfg.rollout.engine_temperature is not None:  # deliberate mismatch (stress experiments)
+            from dataclasses import replace
+
+            engine_sampling = replace(self.sampling, temperature=cfg.rollout.engine_temperature)
         self.objective = build_objective(cfg.loss.objective, **cfg.loss.hyper)
         self.loss = StepLoss(self.objective, groups, self.desc.vocab_size, StepLossConfig(
             temperature=s.temperature, ess_scope=cfg.loss.ess_scope, nonfinite=cfg.loss.nonfinite,
@@ -72,6 +83,7 @@ class Trainer:
                                shuffle=cfg.data.shuffle, seed=cfg.run.seed, dp_rank=groups.dp_rank,
                                dp_size=groups.layout.dp)
         self.reward_fn = build_reward(cfg.reward.kind, cfg.reward.function)
+        self.replay = ReplayBuffer(cfg.replay)
         self.step_idx = 0
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.rank0 = groups.rank == 0
@@ -83,49 +95,69 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.resumed_from = latest_checkpoint(self.run_dir)
+        pending: List = []
         if self.resumed_from is not None:  # the same command again continues the run
             st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
             self.step_idx = int(st["step"])
-            self.data.load_state(st["data"][str(groups.dp_rank)])
-        self.sync_weights()
+            pending = self._load_rank_state(st["ranks"])
+        dp = groups.layout.dp
+        plan = RolloutPlan(prompts=cfg.batch.prompts_per_rollout // dp, n_samples=cfg.rollout.n_samples,
+                           sampling=engine_sampling, sync_every=cfg.rollout.sync_every,
+                           max_staleness=cfg.rollout.max_staleness,
+                           dynamic_sampling=cfg.rollout.dynamic_sampling,
+                           max_rounds=cfg.rollout.dynamic_max_rounds,
+                           logprob_noise=cfg.rollout.logprob_noise, seed=cfg.run.seed, dp_rank=groups.dp_rank)
+        self.rollout = RolloutScheduler(self.engine, self.data, self._score, plan, self.step_idx,
+                                        self.export_weights(), pending)
 
     # -- stages ---------------------------------------------------------------------------------
-    def sync_weights(self) -> None:
-        """Push the trainer's weights into this rank's engine (all ranks take part)."""
+    def export_weights(self) -> List:
+        """The trainer's weights as full HF-named tensors (all ranks take part)."""
         tensors = list(iter_hf_tensors(self.chunks, self.groups, self.desc))
         if self.groups.layout.pp > 1:
             parts: List = [None] * self.groups.layout.pp
             # PP group: each stage exported its own layers; every rank's engine needs all of them.
             dist.all_gather_object(parts, tensors, group=self.groups.pp)
             tensors = [t for p in parts for t in p]
-        self.engine.update_weights(iter_hf_buckets(iter(tensors), 64 * 2**20), version=self.step_idx)
+        return tensors
 
     def _decode(self, ids: List[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True).replace(" ", "")
 
+    def _score(self, samples, answers) -> List[float]:
+        return score_samples(self.reward_fn, [self._decode(s.completion_ids) for s in samples], answers,
+                             [s.group_id for s in samples])
+
     def step(self) -> Dict[str, float]:
         cfg, t = self.cfg, {}
         t0 = time.perf_counter()
-        items = self.data.next(cfg.batch.prompts_per_rollout)
-        sp = SamplingParams(**{**self.sampling.__dict__, "seed": cfg.run.seed * 7919 + self.step_idx * 31
-                               + self.groups.dp_rank})
-        samples = self.engine.generate([it.prompt_ids for it in items], cfg.rollout.n_samples, sp)
-        t["rollout_s"] = time.perf_counter() - t0
+        res = self.rollout.next()
+        t["rollout_wait_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        rewards = score_samples(self.reward_fn, [self._decode(s.completion_ids) for s in samples],
-                                [items[s.group_id].answer for s in samples], [s.group_id for s in samples])
+        batch, rstats = self.replay.compose(res.groups, self.step_idx, res.dropped)
+        samples = []
+        for gi, g in enumerate(batch):
+            for s in g.samples:
+                s.group_id = gi
+                samples.append(s)
+        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
         gids = torch.tensor([s.group_id for s in samples])
-        adv = group_advantages(torch.tensor(rewards), gids, cfg.advantage.kind, cfg.advantage.eps)
-        t["reward_s"] = time.perf_counter() - t1
+        if self.objective.name == "oapl":  # OAPL regresses onto its own optimal advantage r − V*
+            adv = oapl_advantages(rewards, gids, self.objective.hyper.beta1)
+        else:
+            adv = group_advantages(rewards, gids, cfg.advantage.kind, cfg.advantage.eps)
+        stale = torch.tensor([float(self.step_idx - s.weight_version) for s in samples])
+        t["advantage_s"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        per_step = len(samples) // cfg.batch.minibatches
+        all_mbs = samples_to_microbatches(samples, adv, cfg.model.seq_length, cfg.batch.micro_batch_size,
+                                          self.tok.pad_token_id or 0)
+        if self.objective.needs_old_logprobs:  # πold/πprox = the policy before this batch's updates
+            self.loss.recompute_old_logprobs(self.ddp, all_mbs)
+        per_step = len(all_mbs) // cfg.batch.minibatches
         metrics: Dict[str, float] = {}
         for _ in range(cfg.batch.epochs):
             for m in range(cfg.batch.minibatches):
-                sl = slice(m * per_step, (m + 1) * per_step)
-                mbs = samples_to_microbatches(samples[sl], adv[sl], cfg.model.seq_length,
-                                              cfg.batch.micro_batch_size, self.tok.pad_token_id or 0,
-                                              first_index=m * per_step)
+                mbs = all_mbs[m * per_step:(m + 1) * per_step]
                 zero_grads(self.ddp, self.opt)
                 metrics = self.loss.run(self.ddp, mbs)
                 ok, gnorm, _ = self.opt.step()
@@ -133,18 +165,21 @@ class Trainer:
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
         t["train_s"] = time.perf_counter() - t2
         self.step_idx += 1
+        t3 = time.perf_counter()
+        sync = self.step_idx % cfg.rollout.sync_every == 0
+        self.rollout.publish(self.step_idx - 1, self.step_idx, self.export_weights() if sync else None,
+                             self.replay.take_reeval())
+        t["sync_s"] = time.perf_counter() - t3
         if cfg.checkpoint.every and self.step_idx % cfg.checkpoint.every == 0:
             self.save_checkpoint()
-        if self.step_idx % cfg.rollout.sync_every == 0:
-            t3 = time.perf_counter()
-            self.sync_weights()
-            t["sync_s"] = time.perf_counter() - t3
         toks = sum(len(s.completion_ids) for s in samples)
-        out = {"step": self.step_idx, **metrics, **t, "reward_mean": float(sum(rewards) / len(rewards)),
-               "completion_len": toks / len(samples), "rollout_tok_per_s": toks / max(t["rollout_s"], 1e-9),
+        out = {"step": self.step_idx, **metrics, **t, **res.stats, **rstats,
+               "reward_mean": float(rewards.mean()), "completion_len": toks / len(samples),
+               "rollout_tok_per_s": res.stats["rollout_tokens"] / max(res.stats["rollout_s"], 1e-9),
                "train_tok_per_s": cfg.batch.epochs * metrics.get("n_tokens", 0.0) * cfg.batch.minibatches
                / max(t["train_s"], 1e-9),
-               "weight_version": self.engine.weight_version, "lr": self.opt.param_groups[0]["lr"]}
+               "staleness_mean": float(stale.mean()), "staleness_max": float(stale.max()),
+               "weight_version": self.step_idx, "lr": self.opt.param_groups[0]["lr"]}
         self._reduce_reward(out)
         if self.rank0:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -163,13 +198,17 @@ class Trainer:
             out["reward_mean"] = float(t) / self.groups.layout.dp
 
     def evaluate(self, path: str, limit: int = 0) -> float:
-        """Greedy (top-1) accuracy on a held-out file, in the engine's precision."""
+        """Greedy (top-1) accuracy on a held-out file with the current weights, in the engine's
+        precision (the engine is borrowed from the rollout producer for the duration)."""
         rows = all_rows(path, self.tok, self.cfg.data.prompt_key, self.cfg.data.answer_key)
         rows = rows[:limit] if limit else rows
         rows = rows[self.groups.dp_rank::self.groups.layout.dp]
         sp = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=self.sampling.max_new_tokens,
                             stop_token_ids=self.sampling.stop_token_ids, seed=0)
-        samples = self.engine.generate([r[0] for r in rows], 1, sp)
+        weights = self.export_weights()  # every rank, always: the export is a collective
+        with self.rollout.engine_lock:
+            self.rollout.ensure_weights(Publication(self.step_idx - 1, self.step_idx, weights))
+            samples = self.engine.generate([r[0] for r in rows], 1, sp)
         correct = sum(float(self.reward_fn(self._decode(s.completion_ids), rows[s.group_id][1]))
                       for s in samples)
         t = torch.tensor([correct, len(rows)], dtype=torch.float64)
@@ -183,10 +222,38 @@ class Trainer:
         return acc
 
     def save_checkpoint(self) -> Path:
-        """Model, optimizer, scheduler, RNG, every DP rank's data cursor and the step."""
-        cursors: List = [None] * self.groups.world_size
-        # World: each DP rank has its own cursor; rank 0 stores them all in the common state.
-        dist.all_gather_object(cursors, (self.groups.dp_rank, self.data.state()))
-        state = {"data": {str(r): c for r, c in cursors}, "weight_version": self.engine.weight_version}
+        """Model, optimizer, scheduler, RNG, step, and per DP rank: the data cursor of the next
+        rollout batch, pending re-evaluation requests and the replay buffer."""
+        g = self.groups
+        mine = None
+        if g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0:
+            mine = (g.dp_rank, {"rollout": self.rollout.state(), "replay": self.replay.state()})
+        parts: List = [None] * g.world_size
+        # World: each DP rank has its own cursor and buffer; rank 0 stores them all in common.pt.
+        dist.all_gather_object(parts, mine)
+        state = {"ranks": {str(r): v for r, v in (x for x in parts if x is not None)},
+                 "weight_version": self.step_idx}
         return save_training_checkpoint(self.run_dir, self.step_idx, self.chunks, self.opt, self.sched,
                                         state, keep_last=self.cfg.checkpoint.keep_last)
+
+    def _load_rank_state(self, ranks: Dict[str, dict]) -> List[dict]:
+        """Restore this DP rank's cursor and buffer; returns its pending re-evaluation requests.
+        A different DP size remaps the cursors and deals stored groups out round-robin."""
+        dp, r = self.groups.layout.dp, self.groups.dp_rank
+        if len(ranks) == dp:
+            mine = ranks[str(r)]
+            self.data.load_state(mine["rollout"]["data"])
+            self.replay.load_state(mine["replay"])
+            return mine["rollout"]["pending"]
+        old = [ranks[str(i)] for i in range(len(ranks))]
+        self.data.load_state(remap_states([o["rollout"]["data"] for o in old], dp)[r])
+        stored = [x for o in old for x in o["replay"]["stored"]]
+        difficult = [x for o in old for x in o["replay"]["difficult"]]
+        difficult += [x for o in old for p in o["rollout"]["pending"] for x in p["reeval"]]
+        self.replay.load_state({"stored": stored[r::dp], "difficult": difficult[r::dp]})
+        return []
+
+    def close(self) -> None:
+        self.rollout.stop()
+        if self.tb is not None:
+            self.tb.close()

@@ -92,3 +92,57 @@ class RolloutBatch:
     @property
     def weight_versions(self) -> Sequence[int]:
         return sorted({s.weight_version for s in self.samples})
+
+
+@dataclass
+class Group:
+    """The scored completions of one prompt: the unit of advantages, filtering and replay.
+
+    Attributes:
+        index: the prompt's row in the data file.
+        prompt_ids: prompt token ids.
+        answer: the reference answer the reward checks against.
+        samples: its completions, each with ``reward`` filled in.
+        source: "fresh" (new prompt), "reeval" (a difficult prompt rolled out again) or
+            "replay" (stored completions reused off-policy).
+        uses: optimizer steps this group's completions have been trained on so far.
+    """
+
+    index: int
+    prompt_ids: List[int]
+    answer: str
+    samples: List[Sample]
+    source: str = "fresh"
+    uses: int = 0
+
+    @property
+    def rewards(self) -> List[float]:
+        return [float(s.reward) for s in self.samples]
+
+    @property
+    def mean_reward(self) -> float:
+        r = self.rewards
+        return sum(r) / len(r)
+
+    @property
+    def homogeneous(self) -> bool:
+        """All completions scored the same: zero group-relative advantage, no learning signal."""
+        r = self.rewards
+        return all(x == r[0] for x in r)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(s.weight_version for s in self.samples)
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "prompt_ids": self.prompt_ids, "answer": self.answer,
+                "source": self.source, "uses": self.uses,
+                "samples": [{"completion_ids": s.completion_ids, "logprobs": s.logprobs,
+                             "finish_reason": s.finish_reason, "weight_version": s.weight_version,
+                             "reward": s.reward} for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Group":
+        samples = [Sample(prompt_ids=list(d["prompt_ids"]), group_id=0, **s) for s in d["samples"]]
+        return cls(int(d["index"]), list(d["prompt_ids"]), str(d["answer"]), samples, d["source"],
+                   int(d["uses"]))

@@ -69,8 +69,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
             e = min(n, s + rows)
             x = flat[s:e, :real]
             # the target logit in float64 straight from the input, before any rounding
-            stats[1, s:e] = torch.where(in_shard[s:e], x.gather(1, local_t[s:e, None]).squeeze(1).double(),
-                                        torch.zeros(e - s, dtype=torch.float64)) * inv_t
+            if real > 0:
+                stats[1, s:e] = torch.where(in_shard[s:e], x.gather(1, local_t[s:e, None]).squeeze(1).double(),
+                                            torch.zeros(e - s, dtype=torch.float64)) * inv_t
+            else:  # a shard of padding columns only (tiny vocabulary, large TP)
+                stats[1, s:e] = 0.0
             w = x if keep_exp else scratch[:e - s, :real]
             if w is not x:
                 w.copy_(x)
@@ -146,8 +149,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 p.mul_(-g_lp[s:e, None])
             if inv_t != 1.0:
                 p.mul_(inv_t)
-            r = torch.arange(e - s, device=p.device)
-            p[r, local_t[s:e]] += hit[s:e]
+            if real > 0:
+                r = torch.arange(e - s, device=p.device)
+                p[r, local_t[s:e]] += hit[s:e]
             if not direct:
                 grad[s:e, :real].copy_(p)
         return grad.reshape(logits.shape), None, None, None, None, None, None, None

@@ -191,6 +191,30 @@ class StepLoss:
             dist.broadcast(t, src=self.groups.last_stage_global_rank(), group=self.groups.pp)
         return tuple(None if v != v else v for v in t.tolist())
 
+    # -- ℓold / ℓprox: the policy at the start of the rollout batch ---------------------------
+    def recompute_old_logprobs(self, chunks, microbatches: List[MicroBatch]) -> None:
+        """Store ``old_logprobs`` (ℓθ before this rollout batch's first update, no grad) in each
+        micro-batch, for the objectives that ratio against πold/πprox (decoupled PPO, TIS, MIS,
+        P4O). Computed on the last pipeline stage, where the loss runs."""
+        if self.groups.layout.cp > 1:
+            raise NotImplementedError("recomputing ℓold under context parallelism is not supported yet "
+                                      f"(objective needs it; cp={self.groups.layout.cp})")
+        out: List[torch.Tensor] = []
+
+        def loss_fn(batch, logits):
+            with torch.no_grad():
+                lp, _, _ = vocab_parallel_logprobs(
+                    logits, batch["targets"], self.groups.tp, temperature=self.cfg.temperature,
+                    chunk_size=self.cfg.logprob_chunk, vocab_size=self.vocab_size)
+                out.append(lp.float() * batch["loss_mask"].to(torch.float32))
+            return torch.zeros(()), 0, {}
+
+        with torch.no_grad():
+            forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=True)
+        if self.groups.is_last_stage():
+            for mb, lp in zip(microbatches, out):
+                mb["old_logprobs"] = lp
+
     # -- stage 3: gradient pass --------------------------------------------------------------
     def run(self, chunks, microbatches: List[MicroBatch], forward_only: bool = False) -> Dict[str, float]:
         """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step."""
@@ -232,6 +256,7 @@ class StepLoss:
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
         if self.groups.is_last_stage():
             res = finalize_mismatch(acc.reduce(self.groups.dp_cp).result())
+            res["log_ratio_hist"] = acc.coarse_hist("ratio")  # 40 bins over log ρ ∈ [−2, 2]
             res["loss"] = acc.sums["loss"][0]  # Σ over micro-batches and DP×CP ranks
             res["nonfinite_masked"] = acc.sums["nonfinite_masked"][0]
             metrics.update(res)

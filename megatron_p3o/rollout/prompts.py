@@ -1,8 +1,11 @@
 """Prompt data: local jsonl/parquet through ``datasets``, DP-sharded, with a resumable cursor.
 
 Every epoch is a seeded permutation of the whole file; DP rank r takes every dp-th prompt of the
-global order, so the shards are disjoint and together cover each epoch. ``state()`` /
-``load_state()`` make the position part of a checkpoint.
+global order (its k-th prompt of an epoch is ``order[k·dp + r]``), so the shards are disjoint and
+together cover each epoch. Each rank keeps its own cursor (k, epoch): a rank that draws more
+prompts (DAPO dynamic sampling refills) moves ahead without overlapping the others. ``state()`` /
+``load_state()`` make the position part of a checkpoint; ``remap_states`` carries cursors across a
+change of DP size.
 """
 
 from __future__ import annotations
@@ -57,27 +60,55 @@ class PromptData:
         ids = self.tok.encode(text, add_special_tokens=False)
         return ([self.tok.bos_token_id] if self.add_bos and self.tok.bos_token_id is not None else []) + ids
 
+    def _shard_len(self) -> int:
+        n = len(self._order)
+        return (n - self.dp_rank + self.dp_size - 1) // self.dp_size
+
     def next(self, global_count: int) -> List[PromptItem]:
         """This DP rank's share of the next ``global_count`` prompts (global_count % dp == 0)."""
         if global_count % self.dp_size:
             raise ValueError(f"{global_count} prompts do not split over dp={self.dp_size} ranks")
+        return self.next_local(global_count // self.dp_size)
+
+    def next_local(self, count: int) -> List[PromptItem]:
+        """The next ``count`` prompts of this DP rank's shard (crossing into new epochs)."""
+        if self._shard_len() == 0:
+            raise ValueError(f"data.path has {len(self.prompts)} prompts: none for DP rank {self.dp_rank} "
+                             f"of {self.dp_size}")
         rows: List[int] = []
-        while len(rows) < global_count:
-            if self.pos >= len(self._order):
+        while len(rows) < count:
+            if self.pos >= self._shard_len():
                 self.epoch, self.pos = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            take = min(global_count - len(rows), len(self._order) - self.pos)
-            rows += self._order[self.pos:self.pos + take]
-            self.pos += take
-        mine = rows[self.dp_rank::self.dp_size]
-        return [PromptItem(i, self.encode(self.prompts[i]), self.answers[i]) for i in mine]
+            rows.append(self._order[self.pos * self.dp_size + self.dp_rank])
+            self.pos += 1
+        return [self.item(i) for i in rows]
+
+    def item(self, index: int) -> PromptItem:
+        return PromptItem(index, self.encode(self.prompts[index]), self.answers[index])
 
     def state(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
+        """``pos`` counts this rank's prompts taken in ``epoch``; ``dp`` records the shard count."""
+        return {"epoch": self.epoch, "pos": self.pos, "dp": self.dp_size}
 
     def load_state(self, st: Dict[str, int]) -> None:
+        if int(st.get("dp", self.dp_size)) != self.dp_size:
+            raise ValueError(f"data cursor was saved with dp={st['dp']}, this run has dp={self.dp_size}: "
+                             "use remap_states")
         self.epoch, self.pos = int(st["epoch"]), int(st["pos"])
         self._order = self._permutation(self.epoch)
+
+
+def remap_states(states: List[Dict[str, int]], new_dp: int) -> List[Dict[str, int]]:
+    """Cursors of ``len(states)`` DP ranks → cursors for ``new_dp`` ranks.
+
+    The ranks restart together at the earliest global position any old rank had reached
+    (``pos·dp_old`` in the earliest epoch): no prompt is skipped; a few may be seen again.
+    """
+    old_dp = len(states)
+    epoch, pos = min((int(s["epoch"]), int(s["pos"])) for s in states)
+    start = pos * old_dp
+    return [{"epoch": epoch, "pos": start // new_dp, "dp": new_dp} for _ in range(new_dp)]
 
 
 def all_rows(path: str, tokenizer, prompt_key="prompt", answer_key="answer", add_bos=True) -> List[Tuple[List[int], str]]:

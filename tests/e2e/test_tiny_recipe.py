@@ -53,11 +53,18 @@ def test_single_process_run(base, tmp_path):
 def test_torchrun_two_ranks(base, tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", "29741", "-m", "megatron_p3o.train",
-                        str(ROOT / "recipes/tiny_cpu.yaml"), *_sets(base, tmp_path, "two"),
-                        "--set", "batch.micro_batch_size=16"],
+                        str(ROOT / "recipes/tiny_cpu.yaml"), *_sets(base, tmp_path, "two", steps=3),
+                        "--set", "batch.micro_batch_size=16",
+                        # the off-policy machinery on the DP path: async K=1, DAPO refills, BAPO
+                        "--set", "rollout.max_staleness=1", "--set", "rollout.dynamic_sampling=true",
+                        "--set", "replay.policy=bapo"],
                        capture_output=True, text=True, env=ENV, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    _check_run(tmp_path / "two", 2, r.stdout)
+    _check_run(tmp_path / "two", 3, r.stdout)
+    lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["staleness_max"] for m in lines] == [0.0, 1.0, 1.0]  # + replayed groups could be older
+    assert [m["rollout_version"] for m in lines] == [0.0, 0.0, 1.0]
+    assert all(m["dynamic_refilled"] >= 0 and "replay_groups" in m for m in lines)
 
 
 @pytest.mark.e2e

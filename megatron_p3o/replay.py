@@ -1,0 +1,145 @@
+"""Replay buffer with a BAPO-style batch policy (Wan et al., 2026, "Buffer Matters").
+
+Why: a group whose completions all score the same has zero group-relative advantage and
+teaches nothing, yet costs a full rollout. BAPO adapts the batch instead of wasting those slots:
+
+* **difficult** groups (mean reward ≤ ``difficult_max``, c1 — typically all wrong) are remembered
+  as prompts and *re-evaluated*: rolled out again later with the newer policy
+  (``take_reeval`` hands them to the rollout scheduler, ``reeval_per_step`` per batch);
+* **high-quality** groups (``quality_min`` ≤ mean ≤ ``quality_max``, c2/c3 — mixed outcomes,
+  the most informative) are stored with their completions, rewards and behaviour log-probs and
+  *reused* off-policy, at most ``max_reuse`` times and while no older than ``max_age`` weight
+  versions (P3O's ratio is taken against the stored ℓb, so reuse is an honest off-policy step);
+* at each step the batch's homogeneous groups are replaced by stored high-quality ones (the
+  batch keeps its size, so the micro-batch arithmetic holds).
+
+Policy ``none`` passes batches through untouched. Everything is deterministic (a function of the
+batches seen), and ``state()``/``load_state()`` put the buffer in the training checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from .types import Group
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Attributes:
+        policy: "none" or "bapo".
+        capacity: stored high-quality groups (oldest evicted first).
+        max_reuse: times a stored group may be trained on again.
+        max_age: a stored group is dropped once the policy is this many versions newer.
+        difficult_max: c1 — group mean reward ≤ c1 marks a prompt difficult (re-evaluate it).
+        quality_min, quality_max: c2, c3 — groups with c2 ≤ mean ≤ c3 are stored for reuse.
+        reeval_per_step: difficult prompts rolled out again in each rollout batch.
+        difficult_capacity: difficult prompts remembered (oldest dropped first).
+    """
+
+    policy: str = "none"
+    capacity: int = 256
+    max_reuse: int = 2
+    max_age: int = 4
+    difficult_max: float = 0.0
+    quality_min: float = 0.2
+    quality_max: float = 0.8
+    reeval_per_step: int = 2
+    difficult_capacity: int = 1024
+
+    def check(self) -> None:
+        if self.policy not in ("none", "bapo"):
+            raise ValueError(f"replay.policy={self.policy!r}; choose 'none' or 'bapo'")
+        for name in ("capacity", "max_reuse", "max_age", "reeval_per_step", "difficult_capacity"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"replay.{name}={getattr(self, name)} must be >= 0")
+        if not self.quality_min <= self.quality_max:
+            raise ValueError(f"replay.quality_min={self.quality_min} > quality_max={self.quality_max}")
+
+
+class ReplayBuffer:
+    def __init__(self, cfg: ReplayConfig):
+        cfg.check()
+        self.cfg = cfg
+        self.stored: deque = deque()  # high-quality groups, oldest first
+        self.difficult: deque = deque()  # (index, prompt_ids, answer) of difficult prompts
+        self._difficult_ids: set = set()
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.policy != "none"
+
+    def take_reeval(self) -> List[Tuple[int, List[int], str]]:
+        """Up to ``reeval_per_step`` difficult prompts (oldest first), removed from the buffer."""
+        out = []
+        while self.active and self.difficult and len(out) < self.cfg.reeval_per_step:
+            item = self.difficult.popleft()
+            self._difficult_ids.discard(item[0])
+            out.append(item)
+        return out
+
+    def _remember_difficult(self, g: Group) -> None:
+        if g.index in self._difficult_ids or self.cfg.difficult_capacity == 0:
+            return
+        if len(self.difficult) >= self.cfg.difficult_capacity:
+            self._difficult_ids.discard(self.difficult.popleft()[0])
+        self.difficult.append((g.index, list(g.prompt_ids), g.answer))
+        self._difficult_ids.add(g.index)
+
+    def _eligible(self, version: int) -> None:
+        """Drop stored groups that are too old or used up."""
+        keep = [g for g in self.stored
+                if g.uses < 1 + self.cfg.max_reuse and version - g.oldest_version <= self.cfg.max_age]
+        self.stored = deque(keep)
+
+    def compose(self, groups: List[Group], version: int,
+                dropped: Sequence[Group] = ()) -> Tuple[List[Group], Dict[str, float]]:
+        """The batch to train on at policy ``version``: homogeneous groups swapped for stored ones.
+
+        Every fresh/re-evaluated group counts as one use; mixed ones are stored for reuse,
+        difficult ones remembered for re-evaluation (also those dynamic sampling ``dropped``).
+        """
+        stats = {"replay_groups": 0.0, "replay_difficult": float(len(self.difficult)),
+                 "homogeneous_groups": float(sum(g.homogeneous for g in groups))}
+        if not self.active:
+            return groups, stats
+        c = self.cfg
+        self._eligible(version)
+        for g in dropped:
+            if g.mean_reward <= c.difficult_max:
+                self._remember_difficult(g)
+        out: List[Group] = []
+        for g in groups:
+            g.uses += 1
+            if g.homogeneous:
+                if g.mean_reward <= c.difficult_max:
+                    self._remember_difficult(g)
+                if self.stored:
+                    r = self.stored.pop()  # newest first: the least off-policy
+                    r.uses += 1
+                    r.source = "replay"
+                    out.append(r)
+                    stats["replay_groups"] += 1
+                    continue
+            out.append(g)
+        for g in groups:  # stored after the swap, so a group is never reused in its own batch
+            if not g.homogeneous and c.quality_min <= g.mean_reward <= c.quality_max and c.capacity:
+                self.stored.append(g)
+        for g in out:
+            if g.source == "replay" and g.uses < 1 + c.max_reuse:
+                self.stored.appendleft(g)  # reusable again, behind the fresher groups
+        while len(self.stored) > c.capacity:
+            self.stored.popleft()
+        stats["replay_difficult"] = float(len(self.difficult))
+        stats["replay_stored"] = float(len(self.stored))
+        return out, stats
+
+    def state(self) -> dict:
+        return {"stored": [g.to_dict() for g in self.stored], "difficult": [list(x) for x in self.difficult]}
+
+    def load_state(self, st: dict) -> None:
+        self.stored = deque(Group.from_dict(d) for d in st["stored"])
+        self.difficult = deque((int(i), list(p), str(a)) for i, p, a in st["difficult"])
+        self._difficult_ids = {i for i, _, _ in self.difficult}

@@ -1,0 +1,80 @@
+"""``python -m megatron_p3o.stress GRID.yaml [--list] [--report-only]`` (also under torchrun).
+
+Runs every cell of the grid that has no ``cell.json`` yet, then writes the report. Interrupt it
+at any time: the same command continues with the unfinished cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("grid")
+    ap.add_argument("--list", action="store_true", help="validate every cell and list them; run nothing")
+    ap.add_argument("--report-only", action="store_true", help="write the report from finished cells")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from megatron_p3o.stress.grid import cell_config, cells, load_grid
+    from megatron_p3o.stress.report import write_report
+    from megatron_p3o.stress.runner import finished, run_cell, step_rows
+
+    grid = load_grid(a.grid)
+    todo = cells(grid)
+    con = Console()
+    if a.list or a.report_only:
+        for c in todo:
+            cell_config(grid, c)  # every cell must be a valid recipe
+        if a.list:
+            for c in todo:
+                con.print(f"{'done' if finished(grid, c) else 'todo'}  {c.id}")
+            con.print(f"{len(todo)} cells, {sum(finished(grid, c) is None for c in todo)} to run")
+            return 0
+    else:
+        import torch.distributed as dist
+
+        from megatron_p3o.parallel import init_distributed
+
+        for c in todo:
+            cell_config(grid, c)
+        init_distributed()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        con = Console(quiet=rank != 0)
+        t0 = time.perf_counter()
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=con, disable=rank != 0) as bar:
+            grid_task = bar.add_task("cells", total=len(todo))
+            for c in todo:
+                if finished(grid, c):
+                    bar.advance(grid_task)
+                    continue
+                cfg = cell_config(grid, c, world)
+                st = bar.add_task(f"  {c.id}", total=cfg.steps)
+                s = run_cell(grid, c, world, rank, on_step=lambda m, st=st: bar.advance(st))
+                bar.remove_task(st)
+                bar.advance(grid_task)
+                con.print(f"{c.id}: {s['status']}  acc {s['acc_start']:.3f} → {s['acc_end']:.3f}  "
+                          f"ess {s['ess_mean']:.3f}  {s['wall_s']:.0f}s")
+        con.print(f"ran the grid in {(time.perf_counter() - t0) / 60:.1f} min")
+        if rank != 0:
+            return 0
+    done = [(c, finished(grid, c)) for c in todo]
+    rows = [s for _, s in done if s is not None]
+    if not rows:
+        con.print("no finished cells yet")
+        return 1
+    steps = {c.id: step_rows(grid, c) for c, s in done if s is not None}
+    path = write_report(grid, rows, steps, sum(r["wall_s"] for r in rows), a.grid)
+    con.print(f"report: {path}  ({len(rows)}/{len(todo)} cells)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
