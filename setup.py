@@ -23,6 +23,7 @@ setup(
         "transformers>=4.51",
         "numpy",
         "rich",
+        "matplotlib",  # stress-report plots
         "packaging",
         "math-verify[antlr4_13_2]",  # math answer rewards
         "datasets",  # prompt files (jsonl, parquet)

@@ -20,6 +20,7 @@ import yaml
 
 from .optim import OptimConfig
 from .replay import ReplayConfig
+from .rollout.sglang_engine import SGLangConfig
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,8 @@ class ModelConfig:
         seq_length: longest prompt + completion, in tokens.
         use_te: Transformer Engine layers (None = when available).
         fp8: TE FP8 recipe or None.
+        hf_config: an HF config.json describing the model, for ``--dry-run`` before the
+            checkpoint exists (the checkpoint's own description wins when it does).
     """
 
     checkpoint: str = ""
@@ -54,17 +57,20 @@ class ModelConfig:
     seq_length: int = 512
     use_te: Optional[bool] = None
     fp8: Optional[str] = None
+    hf_config: str = ""
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Attributes: tp / pp / cp sizes, vpp (virtual stages per rank), sequence_parallel."""
+    """Attributes: tp / pp / cp sizes, vpp (virtual stages per rank), sequence_parallel, and
+    world_size: the GPU count the recipe is written for (checked at launch; None = any)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = False
+    world_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,14 @@ class RolloutConfig:
         logprob_noise: stress tests only — σ of Gaussian noise added to the behaviour log-probs.
         engine_temperature: stress tests only — let the engine sample at another temperature
             than the trainer's ``sampling.temperature`` (None: the same, as it must be).
-        sglang_url: attach to this server/router instead of launching one.
+        sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
+        weight_sync: how weights reach SGLang — "nccl" (update_weights_from_distributed,
+            disaggregated GPUs), "colocated" (CUDA IPC, same GPUs) or "disk" (fallback).
+        weight_sync_dir: shared directory for the "disk" mode.
+        weight_sync_port: TCP port on trainer rank 0 for the "nccl" weight-update rendezvous
+            (worker i uses weight_sync_port + i).
+        sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
+            weights are pushed to each of them (empty: ``sglang.url`` is the one server).
     """
 
     engine: str = "embedded"
@@ -121,7 +134,11 @@ class RolloutConfig:
     dynamic_max_rounds: int = 3
     logprob_noise: float = 0.0
     engine_temperature: Optional[float] = None
-    sglang_url: Optional[str] = None
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    weight_sync: str = "nccl"
+    weight_sync_dir: str = ""
+    weight_sync_port: int = 29650
+    sglang_workers: List[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -204,6 +221,10 @@ class TrainConfig:
         _choice("loss.nonfinite", self.loss.nonfinite, ("error", "mask"))
         _choice("rollout.engine", self.rollout.engine, ("embedded", "sglang"))
         _choice("rollout.precision", self.rollout.precision, ("fp32", "bf16", "fp16", "fp8", "fp8_block"))
+        _choice("rollout.weight_sync", self.rollout.weight_sync, ("nccl", "colocated", "disk"))
+        if self.rollout.weight_sync == "disk" and self.rollout.engine == "sglang" and not self.rollout.weight_sync_dir:
+            raise ConfigError("rollout.weight_sync=disk needs rollout.weight_sync_dir (a directory every "
+                              "node and the SGLang servers can read)")
         _choice("reward.kind", self.reward.kind, ("math_verify", "exact_match", "python"))
         _choice("advantage.kind", self.advantage.kind, ("grpo", "dr_grpo", "rloo"))
         _choice("model.params_dtype", self.model.params_dtype, ("float32", "bfloat16", "float16"))
@@ -230,6 +251,9 @@ class TrainConfig:
             build_objective(self.loss.objective, **self.loss.hyper)
         except ValueError as e:
             raise ConfigError(f"loss: {e}") from None
+        if self.parallel.world_size is not None and self.parallel.world_size != world_size:
+            raise ConfigError(f"parallel.world_size={self.parallel.world_size}: the recipe is written for "
+                              f"{self.parallel.world_size} GPUs but the launch has {world_size} ranks")
         try:
             lay = Layout(self.parallel.tp, self.parallel.pp, self.parallel.cp, None, self.parallel.vpp,
                          self.parallel.sequence_parallel).resolve(world_size)

@@ -66,16 +66,20 @@ class Layout:
                 raise LayoutError(f"parallel layout: vpp={self.vpp} must be >= 1")
             if self.pp < 2 and self.vpp > 1:
                 raise LayoutError(f"parallel layout: vpp={self.vpp} needs pp >= 2 (pp={self.pp})")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("parallel layout: sequence_parallel=True needs tp > 1 (tp=1)")
+        return Layout(self.tp, self.pp, self.cp, dp,
+                      None if self.vpp in (None, 1) else self.vpp, self.sequence_parallel)
+
+    def check_hardware(self) -> None:
+        """What this machine cannot run (arithmetic is ``resolve``'s job, so a CPU can plan a GPU
+        layout with ``--dry-run``)."""
         if self.sequence_parallel and not torch.cuda.is_available():
             raise LayoutError(
                 "parallel layout: sequence_parallel=True needs GPUs (Transformer Engine layer "
                 "norms); on CPU the local layer spec's torch LayerNorm does not support it. "
                 "Set sequence_parallel: false."
             )
-        if self.sequence_parallel and self.tp == 1:
-            raise LayoutError("parallel layout: sequence_parallel=True needs tp > 1 (tp=1)")
-        return Layout(self.tp, self.pp, self.cp, dp,
-                      None if self.vpp in (None, 1) else self.vpp, self.sequence_parallel)
 
     def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
         """Refuse a model that cannot be split by this layout."""
@@ -195,6 +199,7 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
 
     world = dist.get_world_size()
     layout = layout.resolve(world)
+    layout.check_hardware()
     _destroy_model_parallel_groups()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -245,6 +250,16 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
         pg_collection=pgc,
         backend=dist.get_backend(),
     )
+
+
+def new_object_group() -> dist.ProcessGroup:
+    """A world-sized gloo group of its own (every rank must call this, in the same order).
+
+    Why: the rollout producer thread exchanges prompts and samples (Python objects, CPU memory)
+    while the training thread runs its own collectives; two threads must never share a group,
+    and objects travel over gloo even where the model groups are NCCL.
+    """
+    return dist.new_group(backend="gloo")
 
 
 def _destroy_model_parallel_groups() -> None:

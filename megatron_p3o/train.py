@@ -15,8 +15,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check layout and batch arithmetic, print a memory estimate per GPU, exit")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="with --dry-run: GPUs to plan for (default: parallel.world_size)")
+    ap.add_argument("--gpu-gib", type=float, default=80.0, help="with --dry-run: memory of one GPU")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if a.dry_run:
+        return dry_run(a)
     import torch.distributed as dist
     from rich.console import Console
     from rich.progress import Progress
@@ -67,6 +74,25 @@ def main(argv=None) -> int:
     if len(acc) >= 2:
         first, last = acc[min(acc)], acc[max(acc)]
         con.print(f"change: {100 * (last - first):+.1f} points; checkpoint: {ckpt}")
+    return 0
+
+
+def dry_run(a) -> int:
+    from megatron_p3o.config import ConfigError, load_config
+    from megatron_p3o.plan import describe_model, format_plan, make_plan
+
+    try:
+        cfg = load_config(a.recipe, a.set)
+        world = a.world_size or cfg.parallel.world_size
+        if world is None:
+            raise ConfigError("--dry-run needs --world-size or parallel.world_size in the recipe")
+        desc, div = describe_model(cfg)
+        plan = make_plan(cfg, world, desc, div)
+    except ConfigError as e:
+        print(f"{a.recipe}: {e}", file=sys.stderr)
+        return 2
+    print(f"{a.recipe}: OK")
+    print("\n".join(format_plan(cfg, plan, desc, a.gpu_gib)))
     return 0
 
 

@@ -73,11 +73,13 @@ class Trainer:
         self.loss = StepLoss(self.objective, groups, self.desc.vocab_size, StepLossConfig(
             temperature=s.temperature, ess_scope=cfg.loss.ess_scope, nonfinite=cfg.loss.nonfinite,
             logprob_chunk=cfg.loss.logprob_chunk))
-        if cfg.rollout.engine != "embedded":
-            raise NotImplementedError("the trainer drives the embedded engine for now; SGLang wiring "
-                                      "(launch per node, NCCL weight sync) is the next step")
-        self.engine = EmbeddedEngine(description_to_hf_config(self.desc), cfg.rollout.precision,
-                                     pad_token_id=self.tok.pad_token_id or 0)
+        self.central = cfg.rollout.engine == "sglang"
+        if self.central:
+            self.engine, self.eval_engine = self._central_engines()
+        else:
+            self.engine = self.eval_engine = EmbeddedEngine(description_to_hf_config(self.desc),
+                                                            cfg.rollout.precision,
+                                                            pad_token_id=self.tok.pad_token_id or 0)
         self.data = PromptData(cfg.data.path, self.tok, prompt_key=cfg.data.prompt_key,
                                answer_key=cfg.data.answer_key, chat_template=cfg.data.chat_template,
                                shuffle=cfg.data.shuffle, seed=cfg.run.seed, dp_rank=groups.dp_rank,
@@ -106,9 +108,12 @@ class Trainer:
                            max_staleness=cfg.rollout.max_staleness,
                            dynamic_sampling=cfg.rollout.dynamic_sampling,
                            max_rounds=cfg.rollout.dynamic_max_rounds,
-                           logprob_noise=cfg.rollout.logprob_noise, seed=cfg.run.seed, dp_rank=groups.dp_rank)
+                           logprob_noise=cfg.rollout.logprob_noise, seed=cfg.run.seed, dp_rank=groups.dp_rank,
+                           end=cfg.steps)
+        if self.central:  # the server gets the trainer's weights now (attached or resumed runs)
+            self._push_central()
         self.rollout = RolloutScheduler(self.engine, self.data, self._score, plan, self.step_idx,
-                                        self.export_weights(), pending)
+                                        [] if self.central else self.export_weights(), pending)
 
     # -- stages ---------------------------------------------------------------------------------
     def export_weights(self) -> List:
@@ -120,6 +125,38 @@ class Trainer:
             dist.all_gather_object(parts, tensors, group=self.groups.pp)
             tensors = [t for p in parts for t in p]
         return tensors
+
+    def _central_engines(self):
+        """SGLang on global rank 0, driven for every rank (see ``rollout.central``): one view for
+        the rollout producer, one for evaluation, each with its own object group."""
+        import os
+
+        from dataclasses import replace
+
+        from .parallel import new_object_group
+        from .rollout.central import CentralEngine
+        from .rollout.sglang_engine import SGLangEngine, SGLangFleet
+
+        r = self.cfg.rollout
+        inner = None
+        if self.groups.rank == 0:
+            router = SGLangEngine(r.sglang)
+            workers = [SGLangEngine(replace(r.sglang, url=u)) for u in r.sglang_workers] or [router]
+            inner = SGLangFleet(router, workers).start()
+            if r.weight_sync == "nccl":
+                inner.init_weight_update_groups(os.environ.get("MASTER_ADDR", "127.0.0.1"), r.weight_sync_port)
+        hf = description_to_hf_config(self.desc, self.cfg.model.params_dtype)
+        return tuple(CentralEngine(inner, self.groups, new_object_group(), r.weight_sync, r.weight_sync_dir, hf)
+                     for _ in range(2))
+
+    def _push_central(self) -> None:
+        """Stream the weights to rank 0 and push them to the server (every rank takes part)."""
+        from .weight_sync import iter_hf_buckets
+        from .weight_sync.stream import iter_hf_tensors_to_rank0
+
+        tensors = iter_hf_tensors_to_rank0(self.chunks, self.groups, self.desc)
+        self.engine.update_weights(iter_hf_buckets(tensors, 256 * 2**20), self.step_idx)
+        self.eval_engine.weight_version = self.step_idx
 
     def _decode(self, ids: List[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True).replace(" ", "")
@@ -167,8 +204,10 @@ class Trainer:
         self.step_idx += 1
         t3 = time.perf_counter()
         sync = self.step_idx % cfg.rollout.sync_every == 0
-        self.rollout.publish(self.step_idx - 1, self.step_idx, self.export_weights() if sync else None,
-                             self.replay.take_reeval())
+        if self.central and sync:
+            self._push_central()
+        weights = ([] if self.central else self.export_weights()) if sync else None
+        self.rollout.publish(self.step_idx - 1, self.step_idx, weights, self.replay.take_reeval())
         t["sync_s"] = time.perf_counter() - t3
         if cfg.checkpoint.every and self.step_idx % cfg.checkpoint.every == 0:
             self.save_checkpoint()
@@ -190,12 +229,25 @@ class Trainer:
             self.tb.flush()
         return out
 
+    _DP_SUMS = ("rollout_tokens", "dynamic_refilled", "reeval_groups", "replay_groups", "homogeneous_groups")
+    _DP_MEANS = ("reward_mean", "completion_len", "staleness_mean", "rollout_s", "rollout_wait_s")
+
     def _reduce_reward(self, out: Dict[str, float]) -> None:
-        if self.groups.layout.dp > 1:
-            t = torch.tensor([out["reward_mean"]], dtype=torch.float64)
-            # DP group: every DP rank scored its own prompts; report the mean over all of them.
-            dist.all_reduce(t, group=self.groups.dp)
-            out["reward_mean"] = float(t) / self.groups.layout.dp
+        """Rollout-side numbers of the whole step: each DP rank rolled out and scored its own
+        prompts (DP group: sums, means and the staleness maximum over all of them)."""
+        dp = self.groups.layout.dp
+        if dp == 1:
+            return
+        keys = self._DP_SUMS + self._DP_MEANS
+        t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=self.groups.dp)
+        for k, v in zip(keys, t.tolist()):
+            if k in out:
+                out[k] = v if k in self._DP_SUMS else v / dp
+        m = torch.tensor([out["staleness_max"]], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        out["staleness_max"] = float(m)
+        out["rollout_tok_per_s"] = out["rollout_tokens"] / max(out["rollout_s"], 1e-9)
 
     def evaluate(self, path: str, limit: int = 0) -> float:
         """Greedy (top-1) accuracy on a held-out file with the current weights, in the engine's
@@ -205,10 +257,13 @@ class Trainer:
         rows = rows[self.groups.dp_rank::self.groups.layout.dp]
         sp = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=self.sampling.max_new_tokens,
                             stop_token_ids=self.sampling.stop_token_ids, seed=0)
-        weights = self.export_weights()  # every rank, always: the export is a collective
-        with self.rollout.engine_lock:
-            self.rollout.ensure_weights(Publication(self.step_idx - 1, self.step_idx, weights))
-            samples = self.engine.generate([r[0] for r in rows], 1, sp)
+        if self.central:  # the server holds the weights of the last sync point
+            samples = self.eval_engine.generate([r[0] for r in rows], 1, sp)
+        else:
+            weights = self.export_weights()  # every rank, always: the export is a collective
+            with self.rollout.engine_lock:
+                self.rollout.ensure_weights(Publication(self.step_idx - 1, self.step_idx, weights))
+                samples = self.engine.generate([r[0] for r in rows], 1, sp)
         correct = sum(float(self.reward_fn(self._decode(s.completion_ids), rows[s.group_id][1]))
                       for s in samples)
         t = torch.tensor([correct, len(rows)], dtype=torch.float64)
@@ -255,5 +310,6 @@ class Trainer:
 
     def close(self) -> None:
         self.rollout.stop()
+        self.engine.stop()
         if self.tb is not None:
             self.tb.close()

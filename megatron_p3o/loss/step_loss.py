@@ -203,7 +203,7 @@ class StepLoss:
 
         def loss_fn(batch, logits):
             with torch.no_grad():
-                lp, _, _ = vocab_parallel_logprobs(
+                lp, _ = vocab_parallel_logprobs(
                     logits, batch["targets"], self.groups.tp, temperature=self.cfg.temperature,
                     chunk_size=self.cfg.logprob_chunk, vocab_size=self.vocab_size)
                 out.append(lp.float() * batch["loss_mask"].to(torch.float32))

@@ -33,6 +33,11 @@ class RolloutEngine(abc.ABC):
     def health(self) -> dict:
         """A dict with at least ``ok`` (bool) and ``weight_version``."""
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any trainer rank (engines shared by ranks make this a
+        collective, so that all ranks take the same dynamic-sampling rounds)."""
+        return flag
+
     def start(self) -> "RolloutEngine":
         return self
 

@@ -49,6 +49,9 @@ class RolloutPlan:
         logprob_noise: σ of Gaussian noise added to the behaviour log-probs (stress tests only).
         seed: run seed; dp_rank: this rank (sampling seeds differ per DP rank).
         bucket_bytes: weight-sync bucket size.
+        end: the first batch index not to produce (the run's last step); None = no end. An
+            async producer stops there, so nothing is generated that no step will train on, and
+            ranks sharing a server stop after the same batch.
     """
 
     prompts: int
@@ -62,6 +65,7 @@ class RolloutPlan:
     seed: int = 0
     dp_rank: int = 0
     bucket_bytes: int = 64 * 2**20
+    end: Optional[int] = None
 
 
 @dataclass
@@ -141,8 +145,8 @@ class RolloutScheduler:
     def state(self) -> dict:
         """What a checkpoint after ``consumed`` batches needs to roll out batch ``consumed`` again."""
         j = self.consumed
-        if self._thread is None:
-            data = self.data.state()
+        if self._thread is None or (self.plan.end is not None and j >= self.plan.end):
+            data = self.data.state()  # nothing in flight: the producer stopped at the end
         else:
             with self._cond:
                 while j not in self._data_before and self._error is None:
@@ -190,7 +194,8 @@ class RolloutScheduler:
         from ..weight_sync import iter_hf_buckets
 
         with self.engine_lock:
-            if self.engine.weight_version != pub.version:
+            # an empty list: the trainer pushed these weights itself (a central server)
+            if pub.weights and self.engine.weight_version != pub.version:
                 self.engine.update_weights(iter_hf_buckets(iter(pub.weights), self.plan.bucket_bytes),
                                            version=pub.version)
 
@@ -224,7 +229,7 @@ class RolloutScheduler:
             rounds, dropped = 0, []
             while p.dynamic_sampling and rounds < p.max_rounds:
                 empty = [i for i, g in enumerate(groups) if g.homogeneous]
-                if not empty:
+                if not self.engine.any_rank(bool(empty)):
                     break
                 rounds += 1
                 new = self._roll(self.data.next_local(len(empty)), ["fresh"] * len(empty), j, rounds)
@@ -249,7 +254,7 @@ class RolloutScheduler:
     def _run(self) -> None:
         j = self.start
         try:
-            while True:
+            while self.plan.end is None or j < self.plan.end:
                 self._queue.put(self._produce(j))
                 j += 1
         except _Stopped:

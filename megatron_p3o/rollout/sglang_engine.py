@@ -80,19 +80,24 @@ class SGLangConfig:
     extra_args: Tuple[str, ...] = field(default_factory=tuple)
 
 
+def server_args(cfg: SGLangConfig) -> List[str]:
+    """The serving arguments (dtype, memory, quantization, KV-cache dtype, extras) — the part of
+    the command a cluster script shares between servers that differ in GPUs and port."""
+    args = ["--dtype", cfg.dtype, "--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.quantization:
+        args += ["--quantization", cfg.quantization]
+    if cfg.kv_cache_dtype:
+        args += ["--kv-cache-dtype", cfg.kv_cache_dtype]
+    return args + list(cfg.extra_args)
+
+
 def launch_command(cfg: SGLangConfig) -> List[str]:
     """``python -m sglang.launch_server ...`` for ``cfg``."""
     if not cfg.model_path:
         raise ValueError("rollout.sglang.model_path is required to launch a server (or set url)")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
-           "--dtype", cfg.dtype, "--tp-size", str(cfg.tp_size), "--host", cfg.host,
-           "--port", str(cfg.port), "--mem-fraction-static", str(cfg.mem_fraction_static),
-           "--skip-tokenizer-init"]
-    if cfg.quantization:
-        cmd += ["--quantization", cfg.quantization]
-    if cfg.kv_cache_dtype:
-        cmd += ["--kv-cache-dtype", cfg.kv_cache_dtype]
-    return cmd + list(cfg.extra_args)
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
+            "--tp-size", str(cfg.tp_size), "--host", cfg.host, "--port", str(cfg.port),
+            "--skip-tokenizer-init", *server_args(cfg)]
 
 
 def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, seed: Optional[int]) -> dict:
@@ -320,4 +325,63 @@ class SGLangEngine(RolloutEngine):
                 "flush_cache": i == len(buckets) - 1, "weight_version": str(version)})
             if not resp.get("success", False):
                 raise EngineResponseError(f"update_weights_from_tensor failed: {resp.get('message')}")
+        self.weight_version = version
+
+
+class SGLangFleet(RolloutEngine):
+    """Several SGLang servers: generation through one URL (an ``sglang_router`` in front of them,
+    or a single server), weight updates sent to every worker directly (slime's arrangement: the
+    router balances requests; each worker keeps its own NCCL weight-update group).
+
+    ``router``: the generation engine; ``workers``: one engine per server (may be just the router's
+    server itself when there is one).
+    """
+
+    name = "sglang"
+
+    def __init__(self, router: SGLangEngine, workers: Sequence[SGLangEngine]):
+        self.router, self.workers = router, list(workers)
+        self.weight_version = 0
+
+    def start(self) -> "SGLangFleet":
+        for w in self.workers:
+            if w is not self.router:
+                w.wait_healthy(w.cfg.startup_timeout_s)
+        self.router.start()
+        return self
+
+    def stop(self) -> None:
+        self.router.stop()
+        for w in self.workers:
+            if w is not self.router:
+                w.stop()
+
+    def health(self) -> dict:
+        hs = [w.health() for w in self.workers]
+        return {"ok": all(h["ok"] for h in hs), "weight_version": self.weight_version, "workers": hs}
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+        self.router.weight_version = self.weight_version  # fallback when a response has no version
+        return self.router.generate(prompts, n, sampling)
+
+    def init_weight_update_groups(self, master_address: str, first_port: int) -> None:
+        """One NCCL group per worker ({trainer rank 0} ∪ that worker's ranks), on consecutive ports."""
+        for i, w in enumerate(self.workers):
+            w.init_weight_update_group(master_address, first_port + i, group_name=f"p3o_weight_sync_{i}")
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        for bucket in buckets:  # each bucket once from the trainer, to every worker in turn
+            for w in self.workers:
+                w.update_weights([bucket], version)
+        self.weight_version = version
+
+    def update_weights_colocated(self, buckets: Iterable[Bucket], version: int) -> None:
+        for bucket in buckets:
+            for w in self.workers:
+                w.update_weights_colocated([bucket], version)
+        self.weight_version = version
+
+    def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        for w in self.workers:
+            w.update_weights_from_disk(model_path, version)
         self.weight_version = version

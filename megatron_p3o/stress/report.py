@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from .grid import GridConfig
 
-STEP_KEYS = ("reward_mean", "ess", "abs_logprob_diff", "ratio_p99", "loss", "grad_norm", "staleness_mean")
+STEP_KEYS = ("reward_mean", "ratio_ess", "ess", "abs_logprob_diff", "ratio_p99", "loss", "grad_norm", "staleness_mean")
 
 
 def write_csv(path: Path, rows: Sequence[dict]) -> None:
@@ -65,7 +65,7 @@ def plot_curves(out: Path, grid: GridConfig, cells: List[dict], steps: Dict[str,
     mms = list(grid.mismatch)
     ncol = min(3, len(mms))
     nrow = math.ceil(len(mms) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5 * ncol, 3.4 * nrow), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(8, 5 * ncol), 3.4 * nrow), squeeze=False, sharey=True)
     curves = _mean_curves(steps, cells, key)
     for i, mm in enumerate(mms):
         ax = axes[i // ncol][i % ncol]
@@ -134,7 +134,7 @@ def plot_final_vs_level(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
 
     fams = [f for f in dict.fromkeys(m.family for m in grid.mismatch.values()) if f != "baseline"] or ["baseline"]
     base = [k for k, m in grid.mismatch.items() if m.family == "baseline"]
-    fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 3.8), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(fams), figsize=(max(8, 4.5 * len(fams)), 3.8), squeeze=False, sharey=True)
     for ax, fam in zip(axes[0], fams):
         members = base + [k for k, m in grid.mismatch.items() if m.family == fam and fam != "baseline"]
         for j, obj in enumerate(grid.objectives):
@@ -183,7 +183,7 @@ def _table(grid: GridConfig, cells: List[dict], key: str, fmt: str) -> List[str]
                 row.append("failed" if failed else "—")
                 continue
             allv.append(mean)
-            s = f"{mean:{fmt}} ±{(hi - lo) / 2:{fmt}}"
+            s = f"{mean:{fmt}} ±{(hi - lo) / 2:{fmt.lstrip('+')}}"
             if failed:
                 s += f" ({failed} failed)"
             row.append(f"**{s}**" if best[mm] is not None and mean >= best[mm] - 1e-12 else s)
@@ -217,7 +217,8 @@ def findings(grid: GridConfig, cells: List[dict]) -> List[str]:
             out.append(f"- **{mm}**: P3O is best ({pv:.3f}{gap}).")
         else:
             spread = (stats[top][2] - stats[top][1]) / 2 + (phi - plo) / 2
-            verdict = ("within the seed spread" if top_v - pv <= spread
+            verdict = ("one seed, no spread to compare" if len(grid.seeds) == 1
+                       else "within the seed spread" if top_v - pv <= spread
                        else "by more than the seed spread")
             out.append(f"- **{mm}**: P3O does **not** win — {top} reaches {top_v:.3f}, P3O {pv:.3f} "
                        f"(rank {rank} of {len(fin)}; gap {top_v - pv:.3f}, {verdict}).")
@@ -239,7 +240,8 @@ def write_report(grid: GridConfig, cells: List[dict], steps: Dict[str, List[dict
     write_csv(out / "steps.csv", [{"cell": c, "step": m["step"], **{k: m.get(k) for k in STEP_KEYS}}
                                   for c, ms in steps.items() for m in ms])
     plots = [plot_curves(out, grid, cells, steps, "reward_mean", "mean reward", "reward_vs_step.png"),
-             plot_curves(out, grid, cells, steps, "ess", "e_B (normalized ESS)", "ess_vs_step.png", smooth=1),
+             plot_curves(out, grid, cells, steps, "ratio_ess", "e_B = (Σρ)²/(NΣρ²) vs πb", "ess_vs_step.png",
+                         smooth=1),
              plot_ratio_hist(out, grid, cells, steps), plot_final_vs_level(out, grid, cells)]
     ok = [c for c in cells if c["status"] == "ok"]
     n_steps = max((c["steps"] for c in ok), default=0)
@@ -257,7 +259,7 @@ def write_report(grid: GridConfig, cells: List[dict], steps: Dict[str, List[dict
     md += _table(grid, cells, "acc_end", ".3f")
     md += ["", "## Accuracy gained over the base model (end − start)", ""]
     md += _table(grid, cells, "acc_delta", "+.3f")
-    md += ["", "## Mean e_B over the run", ""]
+    md += ["", "## Mean e_B against the rollout engine's πb over the run (all objectives)", ""]
     md += _table(grid, cells, "ess_mean", ".3f")
     md += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     md += ["", "Data: `cells.csv` (one row per cell), `steps.csv` (one row per cell and step).", ""]

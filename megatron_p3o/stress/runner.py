@@ -37,7 +37,7 @@ def summarize(cell: Cell, steps: List[dict], acc_start: float, acc_end: float, w
             "level": cell.level, "seed": cell.seed, "status": status, "steps": len(steps),
             "acc_start": acc_start, "acc_end": acc_end, "acc_delta": acc_end - acc_start,
             "reward_first5": _mean(r[:5]), "reward_last5": _mean(r[-5:]),
-            "ess_mean": _mean(col("ess")), "ess_min": min(col("ess"), default=float("nan")),
+            "ess_mean": _mean(col("ratio_ess")), "ess_min": min(col("ratio_ess"), default=float("nan")),
             "abs_logprob_diff_mean": _mean(col("abs_logprob_diff")),
             "ratio_p99_mean": _mean(col("ratio_p99")), "staleness_mean": _mean(col("staleness_mean")),
             "grad_norm_mean": _mean(col("grad_norm")), "wall_s": wall_s}

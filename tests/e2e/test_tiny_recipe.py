@@ -90,3 +90,12 @@ def test_off_policy_knobs(base, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "offp" / "metrics.jsonl").read_text().splitlines()]
     assert [m["weight_version"] for m in lines] == [0, 2, 2]
     assert all(0 < m["ess"] < 1 for m in lines)
+
+
+def test_base_model_matches_the_committed_config(base):
+    """recipes/models/tiny-llama/config.json (the tiny recipe's --dry-run model) is what the
+    base-model tool writes."""
+    made = json.loads((base / "ckpt" / "hf" / "config.json").read_text())
+    committed = json.loads((ROOT / "recipes/models/tiny-llama/config.json").read_text())
+    made.pop("transformers_version", None)
+    assert made == committed

@@ -15,12 +15,21 @@ def test_layout_resolves_dp():
     (Layout(tp=2, dp=4), 4, "dp=4 but world size 4 / (tp×pp×cp = 2) = 2"),
     (Layout(tp=0), 4, "tp=0 must be >= 1"),
     (Layout(vpp=2), 2, "vpp=2 needs pp >= 2"),
-    (Layout(tp=2, sequence_parallel=True), 2, "sequence_parallel=True needs GPUs"),
+    (Layout(sequence_parallel=True), 2, "sequence_parallel=True needs tp > 1"),
 ])
 def test_impossible_layouts_name_the_numbers(layout, world, needle):
     with pytest.raises(LayoutError) as e:
         layout.resolve(world)
     assert needle in str(e.value)
+
+
+def test_sequence_parallel_is_planned_on_cpu_but_not_run():
+    import torch
+
+    lay = Layout(tp=2, sequence_parallel=True).resolve(2)  # arithmetic only: a CPU can plan it
+    if not torch.cuda.is_available():
+        with pytest.raises(LayoutError, match="sequence_parallel=True needs GPUs"):
+            lay.check_hardware()
 
 
 def test_model_and_sequence_checks():

@@ -1,0 +1,141 @@
+"""Dry run: check a recipe's layout and batch arithmetic and estimate memory per GPU, without a
+GPU, a checkpoint or a process group (``python -m megatron_p3o.train RECIPE --dry-run``).
+
+Why: a 70B recipe that does not fit, or whose global batch does not split over DP × micro-batch,
+should fail on a laptop in a second, not after a 20-minute queue wait and a model load.
+
+Memory model (per GPU, the most loaded pipeline stage; an estimate, not a measurement):
+  * parameters: the stage's layers ÷ TP (norms replicated), embedding on the first stage,
+    output layer on the last (vocabulary padded as the builder pads it), in ``params_dtype``;
+  * gradients: Megatron DDP's buffer, fp32 when ``grad_reduce_in_fp32`` else ``params_dtype``;
+  * optimizer: Adam m and v in fp32, plus an fp32 master copy when training in 16 bits — divided
+    by DP×CP with the distributed optimizer;
+  * activations (Korthikanti et al. 2022, flash attention so no s² term, no recomputation): per
+    layer and micro-batch ≈ s·b·h·(10 + 24/t) bytes, or 34·s·b·h/t with sequence parallelism,
+    with s the sequence length ÷ CP; 1F1B keeps min(PP, micro-batches) micro-batches alive on the
+    first stage; plus the fp32 logits of one micro-batch (s·b·V/t·4) on the last stage.
+Rollout-engine memory (SGLang, colocated) is not included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from .config import ConfigError, TrainConfig
+from .model.builder import padded_vocab_size
+from .model.description import ModelDescription
+
+GiB = 2**30
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def describe_model(cfg: TrainConfig) -> Tuple[ModelDescription, int]:
+    """The model description (and make_vocab_size_divisible_by) from the checkpoint if it exists,
+    else from ``model.hf_config``."""
+    ckpt = Path(cfg.model.checkpoint)
+    if cfg.model.checkpoint and (ckpt / "p3o_model.json").is_file():
+        from .hf.dist_stream import read_meta
+
+        meta = read_meta(ckpt)
+        return meta["description"], int(meta["make_vocab_size_divisible_by"])
+    if cfg.model.hf_config:
+        p = Path(cfg.model.hf_config)
+        if not p.is_file():
+            raise ConfigError(f"model.hf_config={cfg.model.hf_config!r} does not exist")
+        return ModelDescription.from_hf_config(json.loads(p.read_text()), str(p)), 128
+    raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r} has no p3o_model.json and "
+                      "model.hf_config is not set: the dry run needs one of them")
+
+
+def layer_params(d: ModelDescription) -> Tuple[int, int]:
+    """(TP-sharded, replicated) parameter counts of one transformer layer."""
+    q = d.num_heads * d.head_dim
+    kv = d.num_kv_heads * d.head_dim
+    sharded = d.hidden_size * (q + 2 * kv) + q * d.hidden_size + 3 * d.hidden_size * d.intermediate_size
+    if d.qkv_bias:
+        sharded += q + 2 * kv
+    replicated = 2 * d.hidden_size + (2 * d.head_dim if d.qk_norm else 0)
+    return sharded, replicated
+
+
+@dataclass
+class Plan:
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    micro_batches: int
+    params_total: int
+    params_per_gpu: int
+    gib: Dict[str, float]
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.gib.values())
+
+
+def make_plan(cfg: TrainConfig, world_size: int, desc: ModelDescription, divisible_by: int = 128) -> Plan:
+    """Layout + batch arithmetic (``cfg.validate``) and the memory estimate of the busiest GPU."""
+    cfg.validate(world_size)
+    p = cfg.parallel
+    tp, pp, cp = p.tp, p.pp, p.cp
+    dp = world_size // (tp * pp * cp)
+    from .parallel import Layout, LayoutError
+
+    try:
+        Layout(tp, pp, cp, dp, p.vpp, p.sequence_parallel).check_model(
+            num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    vpad = padded_vocab_size(desc.vocab_size, tp, divisible_by)
+    sh, rep = layer_params(desc)
+    h, L = desc.hidden_size, desc.num_layers
+    emb = vpad * h
+    out = 0 if desc.tie_word_embeddings else vpad * h
+    total = L * (sh + rep) + desc.vocab_size * h * (1 if desc.tie_word_embeddings else 2) + h
+    per_stage = -(-L // pp)
+    first = per_stage * (sh // tp + rep) + emb // tp + (out // tp + h if pp == 1 else 0)
+    last = per_stage * (sh // tp + rep) + out // tp + h + (emb // tp if desc.tie_word_embeddings and pp > 1 else 0)
+    n = max(first, last)
+    pb = _BYTES[cfg.model.params_dtype]
+    o = cfg.optim
+    grads = n * (4 if o.grad_reduce_in_fp32 else pb)
+    opt = n * (8 + (4 if pb < 4 else 0))
+    if o.distributed_optimizer:
+        opt /= dp * cp
+    seqs = cfg.batch.prompts_per_rollout * cfg.rollout.n_samples // cfg.batch.minibatches
+    micro = seqs // (dp * cfg.batch.micro_batch_size)
+    s = cfg.model.seq_length // cp
+    b = cfg.batch.micro_batch_size
+    per_layer = s * b * h * ((34 / tp) if p.sequence_parallel else (10 + 24 / tp))
+    act = per_layer * per_stage * min(pp, micro)
+    logits = s * b * vpad / tp * 4
+    gib = {"parameters": n * pb / GiB, "gradients": grads / GiB,
+           "optimizer": opt / GiB, "activations": act / GiB, "logits": logits / GiB}
+    return Plan(world_size, tp, pp, cp, dp, micro, total, n, gib)
+
+
+def format_plan(cfg: TrainConfig, plan: Plan, desc: ModelDescription, gpu_gib: float = 80.0) -> List[str]:
+    c = cfg
+    seqs = c.batch.prompts_per_rollout * c.rollout.n_samples
+    lines = [
+        f"model: {desc.architecture}, {plan.params_total / 1e9:.2f} B parameters, {desc.num_layers} layers, "
+        f"hidden {desc.hidden_size}, vocab {desc.vocab_size}",
+        f"layout: world {plan.world_size} = tp {plan.tp} × pp {plan.pp} × cp {plan.cp} × dp {plan.dp}"
+        f"{f' (vpp {c.parallel.vpp})' if c.parallel.vpp else ''}{' + sequence parallel' if c.parallel.sequence_parallel else ''}",
+        f"batch: {c.batch.prompts_per_rollout} prompts × {c.rollout.n_samples} samples = {seqs} sequences per "
+        f"rollout → {c.batch.minibatches} optimizer step(s) × {c.batch.epochs} epoch(s); per step "
+        f"{seqs // c.batch.minibatches} = dp {plan.dp} × micro-batch {c.batch.micro_batch_size} × "
+        f"{plan.micro_batches} micro-batches",
+        f"memory per GPU (estimate, busiest stage; {plan.params_per_gpu / 1e9:.2f} B parameters on it, "
+        f"{c.model.params_dtype}, distributed optimizer {'on' if c.optim.distributed_optimizer else 'off'}):",
+    ]
+    for k, v in plan.gib.items():
+        lines.append(f"  {k:<12} {v:8.2f} GiB")
+    verdict = "fits" if plan.total_gib <= gpu_gib * 0.9 else "DOES NOT FIT (keep ≥ 10% headroom)"
+    lines.append(f"  {'total':<12} {plan.total_gib:8.2f} GiB of {gpu_gib:.0f} GiB — {verdict}")
+    return lines

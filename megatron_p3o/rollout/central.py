@@ -1,0 +1,122 @@
+"""One rollout server for the whole job (SGLang or its router), driven from global rank 0.
+
+Why: every trainer rank talking to the server would send each prompt TP×PP×CP times; and the
+server's weights must be updated once, not once per rank. So the *leader* of each DP rank (its
+TP = PP = CP = 0 rank) hands its prompts to global rank 0, which sends them all to the server in
+one concurrent batch and hands each DP rank its samples back; the other model-parallel ranks get
+a copy of their leader's samples (they need identical batches). Every call is a collective over
+a gloo group of its own (``parallel.new_object_group``), made in the same order on every rank (the rollout scheduler's
+batches and dynamic-sampling rounds), so it also works from the scheduler's producer thread.
+
+Weights: the trainer streams full HF tensors to rank 0 after each sync point
+(:func:`megatron_p3o.weight_sync.stream.iter_hf_tensors_to_rank0`); rank 0 pushes them with the
+configured method (NCCL broadcast, CUDA IPC when colocated, or a safetensors directory on
+shared disk); every rank records the new version. Samples carry the version SGLang reports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from ..parallel import ParallelGroups
+from ..types import Sample, SamplingParams
+from .engine import Bucket, RolloutEngine
+
+
+class CentralEngine(RolloutEngine):
+    """``inner`` exists on global rank 0 only (None elsewhere)."""
+
+    def __init__(self, inner: Optional[RolloutEngine], groups: ParallelGroups, objects: dist.ProcessGroup,
+                 weight_sync: str = "nccl", sync_dir: str = "", hf_config: Optional[dict] = None):
+        if (groups.rank == 0) != (inner is not None):
+            raise ValueError("CentralEngine: the server engine lives on global rank 0 only")
+        self.inner, self.groups, self.objects = inner, groups, objects  # objects: parallel.new_object_group()
+        self.weight_sync, self.sync_dir, self.hf_config = weight_sync, sync_dir, hf_config
+        self.name = f"central({inner.name if inner else 'remote'})"
+        self.weight_version = inner.weight_version if inner is not None else 0
+        g = groups
+        self.leader = g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0
+
+    # -- collectives over the gloo objects group ------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+        g = self.groups
+        mine = (g.dp_rank, [list(p) for p in prompts] if self.leader else None)
+        gathered: Optional[list] = [None] * g.world_size if g.rank == 0 else None
+        # objects group: every DP leader's prompts to the one rank that talks to the server.
+        dist.gather_object(mine, gathered, dst=0, group=self.objects)
+        out: List[Optional[dict]] = [None] * g.world_size
+        if g.rank == 0:
+            flat, owners = [], []
+            for dp_rank, ps in gathered:
+                if ps is not None:
+                    owners.append((dp_rank, len(flat), len(ps)))
+                    flat += ps
+            samples = self.inner.generate(flat, n, sampling) if flat else []
+            by_dp = {}
+            for dp_rank, start, count in owners:
+                part = [s for s in samples if start <= s.group_id < start + count]
+                for s in part:
+                    s.group_id -= start
+                by_dp[dp_rank] = part
+            out = [by_dp.get(d, []) for d, _ in gathered]
+        got: List[Optional[list]] = [None]
+        # objects group: each rank receives its DP rank's samples.
+        dist.scatter_object_list(got, out if g.rank == 0 else None, src=0, group=self.objects)
+        samples = got[0]
+        for s in samples:
+            self.weight_version = max(self.weight_version, s.weight_version)
+        return samples
+
+    def any_rank(self, flag: bool) -> bool:
+        t = [None] * self.groups.world_size
+        # objects group: dynamic-sampling rounds must be taken by all ranks or by none.
+        dist.all_gather_object(t, bool(flag), group=self.objects)
+        return any(t)
+
+    # -- weights --------------------------------------------------------------------------------
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Rank 0 pushes (others pass an empty iterable); no collective: called where only rank 0
+        holds the tensors."""
+        if self.inner is not None:
+            if self.weight_sync == "disk":
+                self._push_from_disk(buckets, version)
+            elif self.weight_sync == "colocated":
+                self.inner.update_weights_colocated(buckets, version)
+            else:
+                self.inner.update_weights(buckets, version)
+        else:
+            for _ in buckets:
+                pass
+        self.weight_version = version
+
+    def _push_from_disk(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Write an HF safetensors directory (atomically) and ask the server to load it."""
+        from ..hf.safetensors_io import HFShardedWriter, atomic_dir
+
+        out = Path(self.sync_dir) / f"v{version:06d}"
+        if not out.exists():
+            with atomic_dir(out) as tmp:
+                w = HFShardedWriter(tmp)
+                for bucket in buckets:
+                    for name, t in bucket:
+                        w.add(name, t.detach().cpu())
+                w.close()
+                if self.hf_config is not None:
+                    (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+        self.inner.update_weights_from_disk(str(out), version)
+        for old in sorted(Path(self.sync_dir).glob("v*")):  # keep the newest two
+            if old.is_dir() and old.name < f"v{version - 1:06d}":
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+
+    def health(self) -> dict:
+        return self.inner.health() if self.inner is not None else {"ok": True, "weight_version": self.weight_version}
+
+    def stop(self) -> None:
+        if self.inner is not None:
+            self.inner.stop()

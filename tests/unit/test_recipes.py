@@ -1,0 +1,92 @@
+"""Every shipped recipe passes ``--dry-run`` (layout, batch arithmetic, memory estimate); the
+stress grid's cells are all valid recipes; the memory model's parameter counts equal those of
+the transformers model built from the same config (on the meta device, no memory)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from megatron_p3o.config import ConfigError, load_config
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.plan import layer_params, make_plan
+from megatron_p3o.train import main
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if "objectives" not in yaml.safe_load(p.read_text()))
+GRIDS = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p not in RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_dry_run(recipe, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = yaml.safe_load(recipe.read_text())
+    world = [] if cfg.get("parallel", {}).get("world_size") else ["--world-size", "1"]
+    assert main([str(recipe), "--dry-run", *world]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "memory per GPU" in out and "fits" in out and "DOES NOT FIT" not in out
+
+
+def test_dry_run_names_the_problem(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    r = ROOT / "recipes/qwen3_8b_h100x8.yaml"
+    assert main([str(r), "--dry-run", "--world-size", "6"]) == 2
+    assert "written for 4 GPUs but the launch has 6" in capsys.readouterr().err
+    assert main([str(r), "--dry-run", "--set", "parallel.world_size=6", "--set", "parallel.tp=4"]) == 2
+    assert "world size 6 is not divisible by tp×pp×cp = 4×1×1 = 4" in capsys.readouterr().err
+    assert main([str(r), "--dry-run", "--set", "parallel.tp=3", "--set", "parallel.world_size=6"]) == 2
+    assert "num_attention_heads=32 is not divisible by tp=3" in capsys.readouterr().err
+    assert main([str(r), "--dry-run", "--set", "batch.micro_batch_size=3"]) == 2
+    assert "not a multiple of dp × micro_batch_size = 2 × 3 = 6" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "tiny-llama"])
+def test_parameter_count_matches_transformers(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = json.loads((ROOT / "recipes/models" / name / "config.json").read_text())
+    desc = ModelDescription.from_hf_config(raw)
+    kw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw["model_type"], **kw))
+    ref = sum(p.numel() for p in model.parameters())
+    cfg = load_config(None, [f"model.hf_config=recipes/models/{name}/config.json", "model.seq_length=64",
+                             "batch.prompts_per_rollout=4", "rollout.n_samples=1", "batch.micro_batch_size=1"])
+    plan = make_plan(cfg, 1, desc, divisible_by=1)
+    assert plan.params_total == ref, (plan.params_total, ref)
+    sharded, replicated = layer_params(desc)
+    layer0 = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert sharded + replicated == layer0
+
+
+def test_stress_grid_cells_are_valid_recipes(monkeypatch):
+    from megatron_p3o.stress.grid import cell_config, cells, load_grid
+
+    monkeypatch.chdir(ROOT)
+    assert GRIDS
+    for g in GRIDS:
+        grid = load_grid(g)
+        cs = cells(grid)
+        assert len(cs) == len(grid.objectives) * len(grid.mismatch) * len(grid.seeds)
+        assert len({c.id for c in cs}) == len(cs)
+        for c in cs:
+            cfg = cell_config(grid, c)
+            assert cfg.loss.objective == grid.objectives[c.objective].objective
+            assert cfg.run.seed == c.seed
+
+
+def test_grid_errors_name_the_key(tmp_path, monkeypatch):
+    from megatron_p3o.stress.grid import cell_config, cells, load_grid
+
+    monkeypatch.chdir(ROOT)
+    g = tmp_path / "g.yaml"
+    g.write_text("base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o, hyper: {clip: 1}}}\n"
+                 "mismatch: {a: {set: {}}}\n")
+    grid = load_grid(g)
+    with pytest.raises(ConfigError, match="cell x__a__s1: loss: .*clip"):
+        cell_config(grid, cells(grid)[0])
+    g.write_text("base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o}}\nmismatch: {a: {famly: b}}\n")
+    with pytest.raises(ConfigError, match="famly"):
+        load_grid(g)

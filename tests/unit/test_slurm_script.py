@@ -1,0 +1,65 @@
+"""tools/slurm/p3o.sbatch placement, run with stand-in scontrol/srun/curl that record what the
+script would launch (no cluster needed): which nodes train, how many SGLang servers run where,
+and what the trainer is told."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, recipe, nodes):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    log = tmp_path / "srun.log"
+    fakes = {
+        "scontrol": "#!/bin/sh\n" + "".join(f"echo n{i}\n" for i in range(1, nodes + 1)),
+        # records the task's CUDA_VISIBLE_DEVICES (set with env) and the command line
+        "srun": f"#!/bin/sh\ncvd=$(echo \"$*\" | sed -n 's/.* env CUDA_VISIBLE_DEVICES=\\([0-9,]*\\) .*/\\1/p')\n"
+                f"echo \"$cvd|$*\" >> {log}\n",
+        "curl": "#!/bin/sh\nexit 0\n",
+    }
+    for name, text in fakes.items():
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(stat.S_IRWXU)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
+           "SLURM_JOB_ID": "7", "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run(["bash", str(ROOT / "tools/slurm/p3o.sbatch"), recipe], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return [line.split("|", 1) for line in log.read_text().splitlines()]
+
+
+def test_multi_node_placement(tmp_path):
+    calls = _run(tmp_path, "recipes/qwen3_32b_h100x32.yaml", nodes=4)
+    servers = [c for c in calls if "sglang.launch_server" in c[1]]
+    train = [c for c in calls if "torch.distributed.run" in c[1]]
+    router = [c for c in calls if "sglang_router" in c[1]]
+    assert len(servers) == 4 and {c[0] for c in servers} == {"0,1,2,3", "4,5,6,7"}
+    assert sorted(c[1].split("-w ")[1].split()[0] for c in servers) == ["n3", "n3", "n4", "n4"]
+    assert all("--tp-size 4" in c[1] and "--quantization fp8" in c[1] and "--kv-cache-dtype fp8_e5m2" in c[1]
+               for c in servers)
+    assert len(router) == 1 and len(train) == 1
+    t = train[0][1]
+    assert "-w n1,n2" in t and "--nnodes 2" in t and "--nproc-per-node 8" in t and "--rdzv-backend c10d" in t
+    assert "rollout.sglang.url=http://n3:30080" in t
+    assert 'rollout.sglang_workers=["http://n3:30000","http://n3:30001","http://n4:30000","http://n4:30001"]' in t
+
+
+def test_single_node_shares_gpus(tmp_path):
+    calls = _run(tmp_path, "recipes/qwen3_8b_h100x8.yaml", nodes=1)
+    servers = [c for c in calls if "sglang.launch_server" in c[1]]
+    train = [c for c in calls if "torch.distributed.run" in c[1]]
+    assert sorted(c[0] for c in servers) == ["4", "5", "6", "7"]  # training has GPUs 0-3
+    assert train[0][0] == "0,1,2,3" and "--nproc-per-node 4" in train[0][1]
+    assert not [c for c in calls if "sglang_router" in c[1]] or len(servers) > 1
+
+
+def test_too_few_nodes_is_refused(tmp_path):
+    with pytest.raises(AssertionError, match="needs 4 training node"):
+        _run(tmp_path, "recipes/llama31_70b_h100x64.yaml", nodes=4)
