@@ -256,7 +256,7 @@ class StepLoss:
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
         if self.groups.is_last_stage():
             res = finalize_mismatch(acc.reduce(self.groups.dp_cp).result())
-            res["log_ratio_hist"] = acc.coarse_hist("ratio")  # 40 bins over log ρ ∈ [−2, 2]
+            res["log_ratio_hist"] = acc.coarse_hist("ratio", bins=200)  # 0.02-wide bins, log ρ ∈ [−2, 2]
             res["loss"] = acc.sums["loss"][0]  # Σ over micro-batches and DP×CP ranks
             res["nonfinite_masked"] = acc.sums["nonfinite_masked"][0]
             metrics.update(res)

@@ -15,6 +15,8 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
       noise_0.5: {family: logprob_noise, level: 0.5, set: {rollout.logprob_noise: 0.5}}
     seeds: [1, 2]
     eval_limit: 200                      # held-out prompts per evaluation (0 = all)
+    notes: |                             # your reading of the results, kept in the report
+      ...
 
 Families are the mismatch axes: rollout precision, staleness (sync every L / async K), injected
 noise σ on ℓb, engine/trainer temperature mismatch. Every cell is validated as a full
@@ -57,6 +59,7 @@ class GridConfig:
     mismatch: Dict[str, MismatchSpec] = field(default_factory=dict)
     seeds: List[int] = field(default_factory=lambda: [1])
     eval_limit: int = 0
+    notes: str = ""  # the experimenter's reading, printed in the report above the computed findings
 
 
 @dataclass(frozen=True)

@@ -254,7 +254,10 @@ def write_report(grid: GridConfig, cells: List[dict], steps: Dict[str, List[dict
     for k, m in grid.mismatch.items():
         md.append(f"- `{k}` ({m.family}, level {m.level:g}): " + (", ".join(f"`{a}={b}`" for a, b in m.set.items())
                                                                    or "base recipe as is"))
-    md += ["", "## What it shows", ""] + findings(grid, cells)
+    md += ["", "## What it shows", ""]
+    if grid.notes.strip():
+        md += [grid.notes.strip(), "", "Computed from the table below:", ""]
+    md += findings(grid, cells)
     md += ["", "## Final held-out accuracy (mean ± half-range over seeds; best per column in bold)", ""]
     md += _table(grid, cells, "acc_end", ".3f")
     md += ["", "## Accuracy gained over the base model (end − start)", ""]

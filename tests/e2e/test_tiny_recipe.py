@@ -88,7 +88,10 @@ def test_off_policy_knobs(base, tmp_path):
                        capture_output=True, text=True, env=ENV, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "offp" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["weight_version"] for m in lines] == [0, 2, 2]
+    # batch j is rolled out with version 2·⌊j/2⌋: steps 1–3 train on versions 0, 0, 2
+    assert [m["rollout_version"] for m in lines] == [0, 0, 2]
+    assert [m["staleness_max"] for m in lines] == [0, 1, 0]
+    assert [m["weight_version"] for m in lines] == [1, 2, 3]
     assert all(0 < m["ess"] < 1 for m in lines)
 
 

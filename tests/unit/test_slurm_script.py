@@ -32,6 +32,13 @@ def _run(tmp_path, recipe, nodes):
     r = subprocess.run(["bash", str(ROOT / "tools/slurm/p3o.sbatch"), recipe], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    import time
+
+    for _ in range(100):  # servers and router are launched in the background (&): let them log
+        lines = log.read_text().splitlines()
+        if any("torch.distributed.run" in x for x in lines) and (nodes == 1 or any("sglang_router" in x for x in lines)):
+            break
+        time.sleep(0.1)
     return [line.split("|", 1) for line in log.read_text().splitlines()]
 
 
