@@ -40,6 +40,10 @@ def main(argv=None) -> int:
     p = cfg.parallel
     groups = initialize(Layout(p.tp, p.pp, p.cp, None, p.vpp, p.sequence_parallel), seed=cfg.run.seed)
     con = Console(quiet=groups.rank != 0)
+    r = cfg.rollout
+    if r.logprob_noise or r.engine_temperature is not None:
+        con.print(f"[yellow]stress injection on: logprob_noise={r.logprob_noise}, engine_temperature="
+                  f"{r.engine_temperature} (trainer T={r.sampling.temperature}): ℓb is deliberately wrong")
     trainer = Trainer(cfg, groups)
     acc = {}
     if trainer.resumed_from is not None:

@@ -44,6 +44,13 @@ def test_bad_recipes_one_clear_message(tmp_path, text, needle):
     (["loss.hyper={eps: 0.1}", "loss.objective=dapo"], 1, "unknown hyper-parameter 'eps'"),
     (["rollout.precision=fp4"], 1, "rollout.precision='fp4'"),
     (["steps=0"], 1, "steps=0 must be >= 1"),
+    (["rollout.logprob_noise=-0.5"], 1, "rollout.logprob_noise=-0.5 must be >= 0"),
+    (["rollout.engine_temperature=0"], 1, "rollout.engine_temperature=0.0 must be > 0"),
+    (["replay.policy=fifo"], 1, "replay.policy='fifo'; choose 'none' or 'bapo'"),
+    (["replay.quality_min=0.9", "replay.quality_max=0.1"], 1, "replay.quality_min=0.9 > quality_max=0.1"),
+    (["rollout.engine=sglang", "rollout.weight_sync=disk"], 1, "rollout.weight_sync=disk needs rollout.weight_sync_dir"),
+    (["rollout.weight_sync=ipc"], 1, "rollout.weight_sync='ipc'"),
+    (["parallel.world_size=8"], 2, "written for 8 GPUs but the launch has 2 ranks"),
 ])
 def test_validation_names_the_numbers(overrides, world, needle):
     with pytest.raises(ConfigError) as e:
