@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
 
@@ -66,8 +67,6 @@ class Trainer:
         check_behaviour_semantics(self.sampling, s.temperature, cfg.loss.objective)
         engine_sampling = self.sampling
         if cfg.rollout.engine_temperature is not None:  # deliberate mismatch (stress experiments)
-            from dataclasses import replace
-
             engine_sampling = replace(self.sampling, temperature=cfg.rollout.engine_temperature)
         self.objective = build_objective(cfg.loss.objective, **cfg.loss.hyper)
         self.loss = StepLoss(self.objective, groups, self.desc.vocab_size, StepLossConfig(
@@ -130,8 +129,6 @@ class Trainer:
         """SGLang on global rank 0, driven for every rank (see ``rollout.central``): one view for
         the rollout producer, one for evaluation, each with its own object group."""
         import os
-
-        from dataclasses import replace
 
         from .parallel import new_object_group
         from .rollout.central import CentralEngine
@@ -214,12 +211,12 @@ class Trainer:
         toks = sum(len(s.completion_ids) for s in samples)
         out = {"step": self.step_idx, **metrics, **t, **res.stats, **rstats,
                "reward_mean": float(rewards.mean()), "completion_len": toks / len(samples),
-               "rollout_tok_per_s": res.stats["rollout_tokens"] / max(res.stats["rollout_s"], 1e-9),
                "train_tok_per_s": cfg.batch.epochs * metrics.get("n_tokens", 0.0) * cfg.batch.minibatches
                / max(t["train_s"], 1e-9),
                "staleness_mean": float(stale.mean()), "staleness_max": float(stale.max()),
                "weight_version": self.step_idx, "lr": self.opt.param_groups[0]["lr"]}
         self._reduce_reward(out)
+        out["rollout_tok_per_s"] = out["rollout_tokens"] / max(out["rollout_s"], 1e-9)
         if self.rank0:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(out) + "\n")
@@ -247,7 +244,6 @@ class Trainer:
         m = torch.tensor([out["staleness_max"]], dtype=torch.float64)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
         out["staleness_max"] = float(m)
-        out["rollout_tok_per_s"] = out["rollout_tokens"] / max(out["rollout_s"], 1e-9)
 
     def evaluate(self, path: str, limit: int = 0) -> float:
         """Greedy (top-1) accuracy on a held-out file with the current weights, in the engine's

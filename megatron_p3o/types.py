@@ -1,4 +1,4 @@
-"""The structures that cross stage boundaries: sampling parameters, samples, rollout batches.
+"""The structures that cross stage boundaries: sampling parameters, samples, prompt groups.
 
 Why: one ``Sample`` is the contract between the rollout engines (SGLang, embedded) and the
 trainer; nothing else passes between those stages.
@@ -7,7 +7,7 @@ trainer; nothing else passes between those stages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 
 class SamplingError(ValueError):
@@ -79,19 +79,6 @@ class Sample:
         if len(self.completion_ids) != len(self.logprobs):
             raise ValueError(f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
                              f"{len(self.logprobs)} log-probs")
-
-
-@dataclass
-class RolloutBatch:
-    """The samples of one generate call, with the parameters they were sampled with."""
-
-    samples: List[Sample]
-    sampling: SamplingParams
-    engine: str
-
-    @property
-    def weight_versions(self) -> Sequence[int]:
-        return sorted({s.weight_version for s in self.samples})
 
 
 @dataclass

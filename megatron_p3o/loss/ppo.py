@@ -89,12 +89,3 @@ def dapo_overlong_reward(lengths: torch.Tensor, max_len: int, cache_len: int) ->
     return torch.where(lengths <= safe, torch.zeros_like(pen),
                        torch.where(lengths <= max_len, pen, -torch.ones_like(pen)))
 
-
-def dapo_dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool: keep sequences whose prompt group has rewards that are not all equal."""
-    keep = torch.zeros_like(rewards, dtype=torch.bool)
-    for g in group_ids.unique():
-        sel = group_ids == g
-        r = rewards[sel]
-        keep[sel] = bool((r != r[0]).any())
-    return keep

@@ -17,6 +17,7 @@ shared disk); every rank records the new version. Samples carry the version SGLa
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
@@ -110,8 +111,6 @@ class CentralEngine(RolloutEngine):
         self.inner.update_weights_from_disk(str(out), version)
         for old in sorted(Path(self.sync_dir).glob("v*")):  # keep the newest two
             if old.is_dir() and old.name < f"v{version - 1:06d}":
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
 
     def health(self) -> dict:

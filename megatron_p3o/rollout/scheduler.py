@@ -168,11 +168,6 @@ class RolloutScheduler:
             self._thread.join(timeout=60)
 
     # -- the producer ---------------------------------------------------------------------------
-    def scheduled_version(self, j: int) -> int:
-        """Weight version batch ``j`` is generated with (no later than the run's first version)."""
-        k, L = self.plan.max_staleness, self.plan.sync_every
-        return max(self.start, L * ((j - k) // L)) if j - k >= self.start else self.start
-
     def _wait_for(self, j: int) -> Tuple[Publication, List]:
         """Block until publication j − K − 1 exists; return the weights to use and re-eval prompts."""
         need = j - self.plan.max_staleness - 1

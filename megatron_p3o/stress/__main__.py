@@ -29,9 +29,9 @@ def main(argv=None) -> int:
     grid = load_grid(a.grid)
     todo = cells(grid)
     con = Console()
+    for c in todo:
+        cell_config(grid, c)  # every cell must be a valid recipe before anything runs
     if a.list or a.report_only:
-        for c in todo:
-            cell_config(grid, c)  # every cell must be a valid recipe
         if a.list:
             for c in todo:
                 con.print(f"{'done' if finished(grid, c) else 'todo'}  {c.id}")
@@ -42,8 +42,6 @@ def main(argv=None) -> int:
 
         from megatron_p3o.parallel import init_distributed
 
-        for c in todo:
-            cell_config(grid, c)
         init_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
         con = Console(quiet=rank != 0)
@@ -57,7 +55,7 @@ def main(argv=None) -> int:
                     continue
                 cfg = cell_config(grid, c, world)
                 st = bar.add_task(f"  {c.id}", total=cfg.steps)
-                s = run_cell(grid, c, world, rank, on_step=lambda m, st=st: bar.advance(st))
+                s = run_cell(grid, c, cfg, rank, on_step=lambda m, st=st: bar.advance(st))
                 bar.remove_task(st)
                 bar.advance(grid_task)
                 con.print(f"{c.id}: {s['status']}  acc {s['acc_start']:.3f} → {s['acc_end']:.3f}  "

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from .grid import Cell, GridConfig, cell_config
+from ..config import TrainConfig
+from .grid import Cell, GridConfig
 
 SUMMARY = "cell.json"
 
@@ -43,15 +44,15 @@ def summarize(cell: Cell, steps: List[dict], acc_start: float, acc_end: float, w
             "grad_norm_mean": _mean(col("grad_norm")), "wall_s": wall_s}
 
 
-def run_cell(grid: GridConfig, cell: Cell, world_size: int, rank: int,
+def run_cell(grid: GridConfig, cell: Cell, cfg: TrainConfig, rank: int,
              on_step: Optional[Callable[[dict], None]] = None) -> dict:
-    """Train one cell; returns its summary (also written to ``cell.json`` on rank 0)."""
+    """Train one cell (``cfg`` = ``cell_config(grid, cell, world_size)``); returns its summary
+    (also written to ``cell.json`` on rank 0)."""
     import torch.distributed as dist
 
     from ..parallel import Layout, initialize
     from ..trainer import Trainer
 
-    cfg = cell_config(grid, cell, world_size)
     run_dir = Path(cfg.run.dir) / cfg.run.name
     if rank == 0 and run_dir.exists():
         shutil.rmtree(run_dir)  # an interrupted cell starts again from scratch
