@@ -5,10 +5,11 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-p3o",
     version="0.1.0",
-    description="Megatron-Core RL post-training trainer for P3O (and baselines) with SGLang rollouts",
+    description="Megatron-Core RL post-training for P3O (and baselines) with SGLang rollouts",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_p3o", "megatron_p3o.*", "checkpoints_convert",
-                                    "checkpoints_convert.*"]),
+    packages=find_packages(
+        include=["megatron_p3o", "megatron_p3o.*", "checkpoints_convert", "checkpoints_convert.*"]
+    ),
     install_requires=[
         # A range: clusters bring their own CUDA build. CPU machines pin 2.13.0 via
         # constraints-cpu.txt so nothing pulls a CUDA wheel.
@@ -25,13 +26,14 @@ setup(
         "rich",
         "matplotlib",  # stress-report plots
         "packaging",
-        "math-verify[antlr4_13_2]",  # math answer rewards
+        # math answer rewards (its LaTeX parser needs antlr4 4.13, pinned in the lock file)
+        "math-verify",
         "datasets",  # prompt files (jsonl, parquet)
         "tensorboard",  # scalars next to metrics.jsonl
     ],
     extras_require={
         # GPU clusters only. NVIDIA apex is optional and built from source; never the PyPI 'apex'.
         "gpu": ["transformer-engine[pytorch]", "sglang"],
-        "dev": ["pytest>=8"],
+        "dev": ["pytest>=8", "ruff"],
     },
 )

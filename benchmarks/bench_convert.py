@@ -22,8 +22,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import peak_mb, reset_peak, rss_mb  # noqa: E402
 from pathlib import Path
+
+from memory import peak_mb, reset_peak, rss_mb  # noqa: E402
 
 
 def worker(task: str, root: Path) -> dict:
@@ -37,11 +38,12 @@ def worker(task: str, root: Path) -> dict:
 
         groups = initialize(Layout())
         # import everything the conversion uses before the baseline is read
-        import checkpoints_convert.hf_to_megatron  # noqa: F401
         import megatron.core.models.gpt  # noqa: F401
-        import checkpoints_convert.megatron_to_hf  # noqa: F401
         from megatron.core.dist_checkpointing.strategies import torch as _  # noqa: F401
         from torch.distributed import checkpoint as _dcp  # noqa: F401
+
+        import checkpoints_convert.hf_to_megatron  # noqa: F401
+        import checkpoints_convert.megatron_to_hf  # noqa: F401
     base = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
@@ -63,8 +65,13 @@ def worker(task: str, root: Path) -> dict:
     else:
         from checkpoints_convert.megatron_to_hf import convert
 
-        convert(str(root / "ckpt"), str(root / "hf-out"), groups=groups, progress=False,
-                max_shard_bytes=int(os.environ["SHARD_BYTES"]))
+        convert(
+            str(root / "ckpt"),
+            str(root / "hf-out"),
+            groups=groups,
+            progress=False,
+            max_shard_bytes=int(os.environ["SHARD_BYTES"]),
+        )
     dt = time.perf_counter() - t0
     return {"task": task, "seconds": dt, "peak_extra_mb": max(0.0, peak_mb() - base)}
 
@@ -87,9 +94,15 @@ def main():
 
     root = Path(tempfile.mkdtemp(prefix="bench_convert_"))
     try:
-        cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75),
-                          num_hidden_layers=a.layers, num_attention_heads=16, num_key_value_heads=4,
-                          vocab_size=a.vocab, tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            hidden_size=a.hidden,
+            intermediate_size=int(a.hidden * 2.75),
+            num_hidden_layers=a.layers,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            vocab_size=a.vocab,
+            tie_word_embeddings=False,
+        )
         with torch.device("cpu"):
             model = LlamaForCausalLM(cfg).to(torch.bfloat16)
         model.save_pretrained(root / "hf", max_shard_size=f"{a.shard_mb}MB")
@@ -99,23 +112,41 @@ def main():
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "SHARD_BYTES": str(a.shard_mb * 2**20)}
         rows = {}
         for task in ("read", "copy", "import", "export"):
-            out = subprocess.run([sys.executable, __file__, "--worker", task, str(root)],
-                                 capture_output=True, text=True, env=env)
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", task, str(root)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if out.returncode:
                 raise SystemExit(out.stderr[-3000:])
             rows[task] = json.loads(out.stdout.strip().splitlines()[-1])
         budget = 2 * largest + a.shard_mb
-        t = Table(title=f"conversion of a {total:.2f} GB bf16 Llama ({a.layers} layers, hidden "
-                        f"{a.hidden}); largest tensor {largest:.0f} MB, shard {a.shard_mb} MB")
-        for c in ("task", "seconds", "GB/s", "time / read", "time / copy", "peak extra MB",
-                  "of budget"):
+        t = Table(
+            title=f"conversion of a {total:.2f} GB bf16 Llama ({a.layers} layers, hidden "
+            f"{a.hidden}); largest tensor {largest:.0f} MB, shard {a.shard_mb} MB"
+        )
+        for c in (
+            "task",
+            "seconds",
+            "GB/s",
+            "time / read",
+            "time / copy",
+            "peak extra MB",
+            "of budget",
+        ):
             t.add_column(c)
         for task, r in rows.items():
             gbs = total / r["seconds"]
-            t.add_row(task, f"{r['seconds']:.2f}", f"{gbs:.2f}",
-                      f"{r['seconds'] / rows['read']['seconds']:.2f}×",
-                      f"{r['seconds'] / rows['copy']['seconds']:.2f}×",
-                      f"{r['peak_extra_mb']:.0f}", f"{r['peak_extra_mb'] / budget:.2f}×")
+            t.add_row(
+                task,
+                f"{r['seconds']:.2f}",
+                f"{gbs:.2f}",
+                f"{r['seconds'] / rows['read']['seconds']:.2f}×",
+                f"{r['seconds'] / rows['copy']['seconds']:.2f}×",
+                f"{r['peak_extra_mb']:.0f}",
+                f"{r['peak_extra_mb'] / budget:.2f}×",
+            )
         Console().print(t)
         print(f"memory budget = 2 × largest tensor + one shard = {budget:.0f} MB")
     finally:

@@ -34,13 +34,26 @@ def main():
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
     from megatron_p3o.model.forward import next_token_targets
-    from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp, zero_grads
+    from megatron_p3o.optim import (
+        OptimConfig,
+        build_optimizer,
+        build_scheduler,
+        wrap_ddp,
+        zero_grads,
+    )
     from megatron_p3o.parallel import Layout, initialize
 
     groups = initialize(Layout())
-    desc = ModelDescription(architecture="LlamaForCausalLM", vocab_size=a.vocab, hidden_size=a.hidden,
-                            intermediate_size=2 * a.hidden, num_layers=2, num_heads=4, num_kv_heads=2,
-                            head_dim=a.hidden // 4)
+    desc = ModelDescription(
+        architecture="LlamaForCausalLM",
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=2 * a.hidden,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=a.hidden // 4,
+    )
     chunks = build_model(desc, groups, BuildOptions(seq_length=a.seq))
     ocfg = OptimConfig(lr=1e-5)
     ddp = wrap_ddp(chunks, groups, ocfg)
@@ -55,13 +68,22 @@ def main():
             mask = torch.ones(a.mbs, a.seq)
             mask[:, : a.seq // 4] = 0
             mask[:, -1] = 0
-            mbs.append({"tokens": tok, "targets": next_token_targets(tok), "loss_mask": mask,
-                        "behavior_logprobs": -math.log(a.vocab) + 0.3 * torch.randn(a.mbs, a.seq, generator=g),
-                        "advantages": torch.randn(a.mbs, 1, generator=g).expand(a.mbs, a.seq).clone()})
+            mbs.append(
+                {
+                    "tokens": tok,
+                    "targets": next_token_targets(tok),
+                    "loss_mask": mask,
+                    "behavior_logprobs": -math.log(a.vocab)
+                    + 0.3 * torch.randn(a.mbs, a.seq, generator=g),
+                    "advantages": torch.randn(a.mbs, 1, generator=g).expand(a.mbs, a.seq).clone(),
+                }
+            )
         return mbs
 
-    losses = {s: StepLoss(build_objective("p3o"), groups, a.vocab, StepLossConfig(ess_scope=s))
-              for s in ("step", "microbatch")}
+    losses = {
+        s: StepLoss(build_objective("p3o"), groups, a.vocab, StepLossConfig(ess_scope=s))
+        for s in ("step", "microbatch")
+    }
     times = {s: [] for s in losses}
     for i in range(a.steps + 1):
         for scope, sl in losses.items():  # alternate, so drift hits both alike
@@ -74,8 +96,10 @@ def main():
             if i:  # first round is warm-up
                 times[scope].append(time.perf_counter() - t0)
     med = {s: statistics.median(t) for s, t in times.items()}
-    t = Table(title=f"P3O step time, {a.micro}×{a.mbs}×{a.seq} tokens, hidden {a.hidden}, "
-                    f"vocab {a.vocab}, median of {a.steps}")
+    t = Table(
+        title=f"P3O step time, {a.micro}×{a.mbs}×{a.seq} tokens, hidden {a.hidden}, "
+        f"vocab {a.vocab}, median of {a.steps}"
+    )
     for c in ("ess scope", "step time s", "ratio to microbatch"):
         t.add_column(c)
     for s in ("microbatch", "step"):

@@ -1,10 +1,11 @@
 """Time and peak memory of vocab_parallel_logprobs (forward + backward) against Megatron-Core's
 ``vocab_parallel_cross_entropy`` and a naive ``log_softmax(...).gather``, side by side.
 
-Each (variant, dtype) runs in a fresh subprocess; peak RSS is the kernel's high-water mark (VmHWM, reset just before the call); the
-logits and targets are allocated before the baseline is read, so the number is the extra memory
-the operation needs. Targets: ≤ 1.0× Megatron's time, ≤ 0.5× the naive peak memory. ``ours_inplace`` is the
-training path (gradient written into the logits' storage, as Megatron does).
+Each (variant, dtype) runs in a fresh subprocess; peak RSS is the kernel's high-water mark
+(VmHWM, reset just before the call); the logits and targets are allocated before the baseline
+is read, so the number is the extra memory the operation needs. Targets: ≤ 1.0× Megatron's
+time, ≤ 0.5× the naive peak memory. ``ours_inplace`` is the training path (gradient written
+into the logits' storage, as Megatron does).
 
     python benchmarks/bench_logprob.py [--tokens 4096 --vocab 32768 --reps 3 --chunk N]
 """
@@ -41,8 +42,9 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
 
     def run(logits):
         if variant.startswith("ours"):
-            lp, _ = vocab_parallel_logprobs(logits, targets, chunk_size=chunk,
-                                            inplace_backward=variant == "ours_inplace")
+            lp, _ = vocab_parallel_logprobs(
+                logits, targets, chunk_size=chunk, inplace_backward=variant == "ours_inplace"
+            )
             loss = -lp.sum()
         elif variant == "megatron":
             # [s, b, v] layout; Megatron modifies fp32 logits in place (we pass a fresh leaf)
@@ -65,8 +67,12 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
             times.append(dt_s)
         del logits
     times.sort()
-    return {"variant": variant, "dtype": dtype, "time_s": times[len(times) // 2],
-            "peak_extra_mb": first_extra}
+    return {
+        "variant": variant,
+        "dtype": dtype,
+        "time_s": times[len(times) // 2],
+        "peak_extra_mb": first_extra,
+    }
 
 
 def main():
@@ -87,21 +93,42 @@ def main():
     rows = {}
     for dtype in a.dtypes.split(","):
         for v in VARIANTS:
-            cmd = [sys.executable, __file__, "--worker", v, dtype, "--tokens", str(a.tokens),
-                   "--vocab", str(a.vocab), "--reps", str(a.reps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                v,
+                dtype,
+                "--tokens",
+                str(a.tokens),
+                "--vocab",
+                str(a.vocab),
+                "--reps",
+                str(a.reps),
+            ]
             if a.chunk:
                 cmd += ["--chunk", str(a.chunk)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            out = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
             rows[(v, dtype)] = json.loads(out.stdout.strip().splitlines()[-1])
     t = Table(title=f"log-prob fwd+bwd, {a.tokens}×{a.vocab} (chunk {a.chunk}), median of {a.reps}")
     for col in ("dtype", "variant", "time s", "peak extra MB", "time / megatron", "mem / naive"):
         t.add_column(col)
     for (v, dtype), r in rows.items():
         meg, nav = rows[("megatron", dtype)], rows[("naive", dtype)]
-        t.add_row(dtype, v, f"{r['time_s']:.3f}", f"{r['peak_extra_mb']:.0f}",
-                  f"{r['time_s'] / meg['time_s']:.2f}×",
-                  f"{r['peak_extra_mb'] / max(nav['peak_extra_mb'], 1e-9):.2f}×")
+        t.add_row(
+            dtype,
+            v,
+            f"{r['time_s']:.3f}",
+            f"{r['peak_extra_mb']:.0f}",
+            f"{r['time_s'] / meg['time_s']:.2f}×",
+            f"{r['peak_extra_mb'] / max(nav['peak_extra_mb'], 1e-9):.2f}×",
+        )
     Console().print(t)
 
 

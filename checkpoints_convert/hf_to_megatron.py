@@ -15,17 +15,27 @@ import argparse
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from megatron_p3o.errors import OutputExistsError
+
 HF_SUBDIR = "hf"  # config.json + tokenizer files of the source model, inside the checkpoint
 
 
-def convert(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
-            divisible_by: int = 128, groups=None, progress: bool = True) -> dict:
+def convert(
+    hf_dir: str,
+    out_dir: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: Optional[str] = None,
+    divisible_by: int = 128,
+    groups=None,
+    progress: bool = True,
+) -> dict:
     from rich.progress import Progress
 
     from megatron_p3o.hf.dist_stream import write_checkpoint
@@ -35,12 +45,13 @@ def convert(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: Optio
     from megatron_p3o.parallel import Layout, initialize
 
     if Path(out_dir).exists():
-        raise FileExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
+        raise OutputExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
     reader = HFCheckpointReader(hf_dir)
     reader.validate()
     desc = reader.description
-    Layout(tp=tp, pp=pp).check_model(num_layers=desc.num_layers, num_heads=desc.num_heads,
-                                     num_kv_heads=desc.num_kv_heads)
+    Layout(tp=tp, pp=pp).check_model(
+        num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads
+    )
     # padding must split over the target TP; lcm keeps it the same for every power-of-two TP
     divisible_by = math.lcm(divisible_by, tp)
     padded = padded_vocab_size(desc.vocab_size, tp, divisible_by)
@@ -59,8 +70,13 @@ def convert(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: Optio
         (tmp / HF_SUBDIR).mkdir()
         shutil.copy2(Path(hf_dir) / "config.json", tmp / HF_SUBDIR / "config.json")
         copy_aux_files(Path(hf_dir), tmp / HF_SUBDIR)
-    return {"tensors": len(maps), "chunks": chunks, "padded_vocab_size": padded,
-            "dtype": str(torch_dtype), "out": str(out_dir)}
+    return {
+        "tensors": len(maps),
+        "chunks": chunks,
+        "padded_vocab_size": padded,
+        "dtype": str(torch_dtype),
+        "out": str(out_dir),
+    }
 
 
 def main(argv=None) -> int:
@@ -69,14 +85,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
     ap.add_argument("--tp", type=int, default=1, help="TP the checkpoint must support")
     ap.add_argument("--pp", type=int, default=1, help="PP the checkpoint must support")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                    help="stored dtype (default: the HF checkpoint's)")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="stored dtype (default: the HF checkpoint's)",
+    )
     ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    ap.add_argument("--verify", action="store_true",
-                    help="compare HF (transformers) and converted Megatron logits on a few prompts")
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare HF (transformers) and converted Megatron logits on a few prompts",
+    )
+    ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
-    report = convert(a.hf, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype,
-                     divisible_by=a.make_vocab_size_divisible_by)
+    report = convert(
+        a.hf, a.out, tp=a.tp, pp=a.pp, dtype=a.dtype, divisible_by=a.make_vocab_size_divisible_by
+    )
     if a.verify:
         from checkpoints_convert.verify import verify
 
@@ -86,4 +111,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_p3o.errors import run_cli
+
+    run_cli(main, "checkpoints_convert.hf_to_megatron")

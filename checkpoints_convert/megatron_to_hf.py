@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from megatron_p3o.errors import OutputExistsError
 
-def convert(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
-            dtype: Optional[str] = None, hf_config_dir: Optional[str] = None, groups=None,
-            progress: bool = True) -> dict:
+
+def convert(
+    ckpt_dir: str,
+    out_dir: str,
+    *,
+    max_shard_bytes: int = 2 * 2**30,
+    dtype: Optional[str] = None,
+    hf_config_dir: Optional[str] = None,
+    groups=None,
+    progress: bool = True,
+) -> dict:
     from rich.progress import Progress
 
     from checkpoints_convert.hf_to_megatron import HF_SUBDIR
@@ -31,7 +39,7 @@ def convert(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
     from megatron_p3o.parallel import Layout, initialize
 
     if Path(out_dir).exists():
-        raise FileExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
+        raise OutputExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
     meta = read_meta(ckpt_dir)
     desc = meta["description"]
     out_dtype = getattr(torch, dtype) if dtype else getattr(torch, meta["params_dtype"])
@@ -55,8 +63,13 @@ def convert(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int = 2 * 2**30,
             cfg = description_to_hf_config(desc, str(out_dtype).replace("torch.", ""))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         copied = copy_aux_files(src_cfg, tmp)
-    return {"tensors": n, "bytes": writer.total, "shards": len(writer.files),
-            "aux_files": copied, "out": str(out_dir)}
+    return {
+        "tensors": n,
+        "bytes": writer.total,
+        "shards": len(writer.files),
+        "aux_files": copied,
+        "out": str(out_dir),
+    }
 
 
 def main(argv=None) -> int:
@@ -65,14 +78,25 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output HF directory (must not exist)")
     ap.add_argument("--max-shard-size-gb", type=float, default=2.0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    ap.add_argument("--hf-config", default=None,
-                    help="directory with config.json/tokenizer to use instead of the stored ones")
+    ap.add_argument(
+        "--hf-config",
+        default=None,
+        help="directory with config.json/tokenizer to use instead of the stored ones",
+    )
+    ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
-    report = convert(a.ckpt, a.out, max_shard_bytes=int(a.max_shard_size_gb * 2**30),
-                     dtype=a.dtype, hf_config_dir=a.hf_config)
+    report = convert(
+        a.ckpt,
+        a.out,
+        max_shard_bytes=int(a.max_shard_size_gb * 2**30),
+        dtype=a.dtype,
+        hf_config_dir=a.hf_config,
+    )
     print(json.dumps(report, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_p3o.errors import run_cli
+
+    run_cli(main, "checkpoints_convert.megatron_to_hf")

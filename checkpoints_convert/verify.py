@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 
@@ -24,8 +23,14 @@ def megatron_logits(ckpt_dir: str, ids: torch.Tensor, groups=None) -> torch.Tens
     meta = read_meta(ckpt_dir)
     desc = meta["description"]
     groups = groups or initialize(Layout())
-    (model,) = build_model(desc, groups, BuildOptions(
-        seq_length=ids.shape[1], make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"]))
+    (model,) = build_model(
+        desc,
+        groups,
+        BuildOptions(
+            seq_length=ids.shape[1],
+            make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+        ),
+    )
     load_model_state([model], ckpt_dir)
     model.eval()
     pos = torch.arange(ids.shape[1])[None].expand_as(ids)
@@ -44,8 +49,11 @@ def verify(hf_dir: str, ckpt_dir: str, seq: int = 64, prompts: int = 4, seed: in
     out = megatron_logits(ckpt_dir, ids)
     lp_ref, lp_out = torch.log_softmax(ref.double(), -1), torch.log_softmax(out.double(), -1)
     kl = (lp_ref.exp() * (lp_ref - lp_out)).sum(-1).mean()
-    return {"max_abs_logit_diff": float((ref - out).abs().max()), "mean_kl": float(kl),
-            "tokens": prompts * seq}
+    return {
+        "max_abs_logit_diff": float((ref - out).abs().max()),
+        "mean_kl": float(kl),
+        "tokens": prompts * seq,
+    }
 
 
 def main(argv=None) -> int:
@@ -54,10 +62,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
     print(json.dumps(verify(a.hf, a.ckpt, a.seq, a.prompts), indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_p3o.errors import run_cli
+
+    run_cli(main, "checkpoints_convert.verify")

@@ -19,7 +19,9 @@ def _group_index(group_ids: Tensor):
     return inv, len(uniq)
 
 
-def group_advantages(rewards: Tensor, group_ids: Tensor, kind: str = "grpo", eps: float = 1e-6) -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_ids: Tensor, kind: str = "grpo", eps: float = 1e-6
+) -> Tensor:
     """``[B]`` float64 advantages of ``rewards [B]`` grouped by ``group_ids [B]``."""
     if kind not in KINDS:
         raise ValueError(f"advantage.kind={kind!r}; choose one of {list(KINDS)}")

@@ -11,16 +11,24 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from .errors import DataError
 from .model.forward import next_token_targets
 from .types import Sample
 
 
-def samples_to_microbatches(samples: Sequence[Sample], advantages: torch.Tensor, seq_length: int,
-                            micro_batch_size: int, pad_id: int = 0,
-                            first_index: int = 0) -> List[Dict[str, torch.Tensor]]:
+def samples_to_microbatches(
+    samples: Sequence[Sample],
+    advantages: torch.Tensor,
+    seq_length: int,
+    micro_batch_size: int,
+    pad_id: int = 0,
+    first_index: int = 0,
+) -> List[Dict[str, torch.Tensor]]:
     """Pack samples (in order) into micro-batches of ``micro_batch_size`` sequences."""
     if len(samples) % micro_batch_size:
-        raise ValueError(f"{len(samples)} samples do not split into micro-batches of {micro_batch_size}")
+        raise ValueError(
+            f"{len(samples)} samples do not split into micro-batches of {micro_batch_size}"
+        )
     n = len(samples)
     tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
     mask = torch.zeros(n, seq_length)
@@ -29,19 +37,28 @@ def samples_to_microbatches(samples: Sequence[Sample], advantages: torch.Tensor,
     for i, s in enumerate(samples):
         seq = s.prompt_ids + s.completion_ids
         if len(seq) > seq_length:
-            raise ValueError(f"sample {first_index + i} (prompt group {s.group_id}) has {len(seq)} tokens "
-                             f"> model.seq_length={seq_length}; raise seq_length or lower max_new_tokens")
-        tokens[i, :len(seq)] = torch.tensor(seq)
+            raise DataError(
+                f"sample {first_index + i} (prompt group {s.group_id}) has {len(seq)} tokens "
+                f"> model.seq_length={seq_length}; raise seq_length or lower max_new_tokens"
+            )
+        tokens[i, : len(seq)] = torch.tensor(seq)
         p, c = len(s.prompt_ids), len(s.completion_ids)
         if c:
-            mask[i, p - 1:p - 1 + c] = 1.0
-            blp[i, p - 1:p - 1 + c] = torch.tensor(s.logprobs)
-            adv[i, p - 1:p - 1 + c] = float(advantages[i])
+            mask[i, p - 1 : p - 1 + c] = 1.0
+            blp[i, p - 1 : p - 1 + c] = torch.tensor(s.logprobs)
+            adv[i, p - 1 : p - 1 + c] = float(advantages[i])
     out = []
     for k in range(0, n, micro_batch_size):
         sl = slice(k, k + micro_batch_size)
         t = tokens[sl]
-        out.append({"tokens": t, "targets": next_token_targets(t, pad_id), "loss_mask": mask[sl],
-                    "behavior_logprobs": blp[sl], "advantages": adv[sl],
-                    "sample_index": torch.arange(first_index + k, first_index + k + t.shape[0])})
+        out.append(
+            {
+                "tokens": t,
+                "targets": next_token_targets(t, pad_id),
+                "loss_mask": mask[sl],
+                "behavior_logprobs": blp[sl],
+                "advantages": adv[sl],
+                "sample_index": torch.arange(first_index + k, first_index + k + t.shape[0]),
+            }
+        )
     return out

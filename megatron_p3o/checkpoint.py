@@ -17,6 +17,8 @@ from typing import Dict, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import CheckpointError, OutputExistsError
+
 DESCRIPTION_FILE = "model_description.json"
 
 
@@ -35,9 +37,13 @@ def _barrier():
         dist.barrier()
 
 
-def save_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path,
-                     extra_files: Dict[str, dict] | None = None, state: Dict | None = None,
-                     rank_payload: object = None) -> Path:
+def save_model_state(
+    chunks: Sequence[torch.nn.Module],
+    ckpt_dir: str | Path,
+    extra_files: Dict[str, dict] | None = None,
+    state: Dict | None = None,
+    rank_payload: object = None,
+) -> Path:
     """Write a checkpoint to ``ckpt_dir`` atomically (all ranks call this).
 
     ``state``: more entries for the same dist checkpoint (sharded optimizer state, or plain
@@ -51,12 +57,19 @@ def save_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path,
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         if final.exists():
-            raise FileExistsError(f"checkpoint directory {final} already exists; refusing to overwrite")
+            raise OutputExistsError(
+                f"checkpoint directory {final} already exists; refusing to overwrite"
+            )
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rank").mkdir(parents=True)
+        # empty: Megatron warns "Overwriting old incomplete / corrupted checkpoint" on any content
+        tmp.mkdir(parents=True)
     _barrier()
     sd = sharded_model_state(chunks) if state is None else state
     dist_checkpointing.save(sd, str(tmp))
+    if rank_payload is not None:
+        if rank == 0:
+            (tmp / "rank").mkdir()
+        _barrier()
     if rank_payload is not None:
         torch.save(rank_payload, tmp / "rank" / f"{rank}.pt")
     if rank == 0:
@@ -69,14 +82,30 @@ def save_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path,
     return final
 
 
+def _load(request: dict, ckpt_dir: Path) -> dict:
+    """``dist_checkpointing.load``; a checkpoint of another model is a :class:`CheckpointError`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        return dist_checkpointing.load(request, str(ckpt_dir))
+    except CheckpointingException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{ckpt_dir} does not match the model being loaded (another model or layout "
+            f"description?): {first[:300]}"
+        ) from e
+
+
 def load_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
     """Load a checkpoint written at any layout into this layout's chunks (all ranks call this)."""
-    from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
-        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron distributed checkpoint (no metadata.json)")
-    loaded = dist_checkpointing.load(sharded_model_state(chunks), str(ckpt_dir))
+        raise CheckpointError(
+            f"{ckpt_dir} is not a Megatron distributed checkpoint (no metadata.json)"
+        )
+    loaded = _load(sharded_model_state(chunks), ckpt_dir)
     for i, c in enumerate(chunks):
         _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=True)
 
@@ -92,8 +121,12 @@ def _rng_state() -> dict:
     import numpy as np
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "tracker": get_cuda_rng_tracker().get_states()}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
 
 
 def _set_rng_state(st: dict) -> None:
@@ -108,24 +141,41 @@ def _set_rng_state(st: dict) -> None:
     get_cuda_rng_tracker().set_states(st["tracker"])
 
 
-def save_training_checkpoint(run_dir: str | Path, step: int, chunks, optimizer, scheduler,
-                             trainer_state: dict, keep_last: int = 2) -> Path:
+def save_training_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    chunks,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    keep_last: int = 2,
+) -> Path:
     """``run_dir/checkpoints/step_NNNNNN`` (atomic), then the ``latest`` pointer (atomic), then
-    pruning to the newest ``keep_last``. An interrupted save leaves ``latest`` on the previous one."""
+    pruning to the newest ``keep_last``. An interrupted save leaves ``latest`` on the previous
+    one."""
     root = Path(run_dir) / "checkpoints"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
     model_sd = sharded_model_state(chunks)
-    state = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd),
-             "scheduler": scheduler.state_dict(), "trainer": dict(trainer_state, step=step)}
-    final = save_model_state(chunks, root / f"step_{step:06d}", state=state, rank_payload=_rng_state())
+    state = {
+        **model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "scheduler": scheduler.state_dict(),
+        "trainer": dict(trainer_state, step=step),
+    }
+    final = save_model_state(
+        chunks, root / f"step_{step:06d}", state=state, rank_payload=_rng_state()
+    )
     if rank == 0:
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(final.name)
         os.replace(tmp, root / LATEST)
-        done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")
-                      and not p.name.endswith(".tmp"))
+        done = sorted(
+            p
+            for p in root.iterdir()
+            if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+        )
         for old in done[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -138,7 +188,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     ckpt = p.parent / p.read_text().strip()
     if not (ckpt / "metadata.json").is_file():
-        raise FileNotFoundError(f"{p} points at {ckpt}, which is not a complete checkpoint")
+        raise CheckpointError(f"{p} points at {ckpt}, which is not a complete checkpoint")
     return ckpt
 
 
@@ -148,7 +198,7 @@ def load_training_checkpoint(ckpt: Path, chunks, optimizer, scheduler) -> dict:
 
     model_sd = sharded_model_state(chunks)
     request = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
-    loaded = dist_checkpointing.load(request, str(ckpt))
+    loaded = _load(request, ckpt)
     for i, c in enumerate(chunks):
         _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])

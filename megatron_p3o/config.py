@@ -18,21 +18,22 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from .errors import UserError
 from .optim import OptimConfig
 from .replay import ReplayConfig
 from .rollout.sglang_engine import SGLangConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One bad key or value; the message names its dotted path."""
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Attributes:
-        name: run name (a directory under ``dir``).
-        dir: where run directories live.
-        seed: global seed (data order, sampling, init).
+    name: run name (a directory under ``dir``).
+    dir: where run directories live.
+    seed: global seed (data order, sampling, init).
     """
 
     name: str = "run"
@@ -43,13 +44,13 @@ class RunConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Attributes:
-        checkpoint: Megatron dist checkpoint made by ``checkpoints_convert.hf_to_megatron``.
-        params_dtype: training dtype ("float32", "bfloat16").
-        seq_length: longest prompt + completion, in tokens.
-        use_te: Transformer Engine layers (None = when available).
-        fp8: TE FP8 recipe or None.
-        hf_config: an HF config.json describing the model, for ``--dry-run`` before the
-            checkpoint exists (the checkpoint's own description wins when it does).
+    checkpoint: Megatron dist checkpoint made by ``checkpoints_convert.hf_to_megatron``.
+    params_dtype: training dtype ("float32", "bfloat16").
+    seq_length: longest prompt + completion, in tokens.
+    use_te: Transformer Engine layers (None = when available).
+    fp8: TE FP8 recipe or None.
+    hf_config: an HF config.json describing the model, for ``--dry-run`` before the
+        checkpoint exists (the checkpoint's own description wins when it does).
     """
 
     checkpoint: str = ""
@@ -76,11 +77,11 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class LossConfig:
     """Attributes:
-        objective: one of ``megatron_p3o.loss.OBJECTIVES`` (p3o by default).
-        hyper: the objective's hyper-parameters (checked against its dataclass).
-        ess_scope: "step" (exact) or "microbatch".
-        nonfinite: "error" or "mask".
-        logprob_chunk: tokens per log-prob block (None = automatic).
+    objective: one of ``megatron_p3o.loss.OBJECTIVES`` (p3o by default).
+    hyper: the objective's hyper-parameters (checked against its dataclass).
+    ess_scope: "step" (exact) or "microbatch".
+    nonfinite: "error" or "mask".
+    logprob_chunk: tokens per log-prob block (None = automatic).
     """
 
     objective: str = "p3o"
@@ -103,25 +104,25 @@ class SamplingConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     """Attributes:
-        engine: "embedded" (CPU, transformers) or "sglang".
-        precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block).
-        n_samples: completions per prompt (the GRPO group size G).
-        sampling: sampling parameters.
-        sync_every: push weights to the engine every L optimizer steps (OAPL's L).
-        max_staleness: asynchronous rollouts may lag the trainer by at most K versions (0: sync).
-        dynamic_sampling: DAPO dynamic sampling — refill groups whose rewards are all equal with
-            fresh prompts, up to ``dynamic_max_rounds`` rounds per batch.
-        logprob_noise: stress tests only — σ of Gaussian noise added to the behaviour log-probs.
-        engine_temperature: stress tests only — let the engine sample at another temperature
-            than the trainer's ``sampling.temperature`` (None: the same, as it must be).
-        sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
-        weight_sync: how weights reach SGLang — "nccl" (update_weights_from_distributed,
-            disaggregated GPUs), "colocated" (CUDA IPC, same GPUs) or "disk" (fallback).
-        weight_sync_dir: shared directory for the "disk" mode.
-        weight_sync_port: TCP port on trainer rank 0 for the "nccl" weight-update rendezvous
-            (worker i uses weight_sync_port + i).
-        sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
-            weights are pushed to each of them (empty: ``sglang.url`` is the one server).
+    engine: "embedded" (CPU, transformers) or "sglang".
+    precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block).
+    n_samples: completions per prompt (the GRPO group size G).
+    sampling: sampling parameters.
+    sync_every: push weights to the engine every L optimizer steps (OAPL's L).
+    max_staleness: asynchronous rollouts may lag the trainer by at most K versions (0: sync).
+    dynamic_sampling: DAPO dynamic sampling — refill groups whose rewards are all equal with
+        fresh prompts, up to ``dynamic_max_rounds`` rounds per batch.
+    logprob_noise: stress tests only — σ of Gaussian noise added to the behaviour log-probs.
+    engine_temperature: stress tests only — let the engine sample at another temperature
+        than the trainer's ``sampling.temperature`` (None: the same, as it must be).
+    sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
+    weight_sync: how weights reach SGLang — "nccl" (update_weights_from_distributed,
+        disaggregated GPUs), "colocated" (CUDA IPC, same GPUs) or "disk" (fallback).
+    weight_sync_dir: shared directory for the "disk" mode.
+    weight_sync_port: TCP port on trainer rank 0 for the "nccl" weight-update rendezvous
+        (worker i uses weight_sync_port + i).
+    sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
+        weights are pushed to each of them (empty: ``sglang.url`` is the one server).
     """
 
     engine: str = "embedded"
@@ -174,10 +175,10 @@ class AdvantageConfig:
 @dataclass(frozen=True)
 class BatchConfig:
     """Attributes:
-        prompts_per_rollout: prompts per rollout batch (× n_samples sequences).
-        minibatches: optimizer steps per rollout batch.
-        epochs: passes over the rollout batch.
-        micro_batch_size: sequences per micro-batch per DP rank.
+    prompts_per_rollout: prompts per rollout batch (× n_samples sequences).
+    minibatches: optimizer steps per rollout batch.
+    epochs: passes over the rollout batch.
+    micro_batch_size: sequences per micro-batch per DP rank.
     """
 
     prompts_per_rollout: int = 64
@@ -220,29 +221,44 @@ class TrainConfig:
         _choice("loss.ess_scope", self.loss.ess_scope, ("step", "microbatch"))
         _choice("loss.nonfinite", self.loss.nonfinite, ("error", "mask"))
         _choice("rollout.engine", self.rollout.engine, ("embedded", "sglang"))
-        _choice("rollout.precision", self.rollout.precision, ("fp32", "bf16", "fp16", "fp8", "fp8_block"))
+        _choice(
+            "rollout.precision",
+            self.rollout.precision,
+            ("fp32", "bf16", "fp16", "fp8", "fp8_block"),
+        )
         _choice("rollout.weight_sync", self.rollout.weight_sync, ("nccl", "colocated", "disk"))
-        if self.rollout.weight_sync == "disk" and self.rollout.engine == "sglang" and not self.rollout.weight_sync_dir:
-            raise ConfigError("rollout.weight_sync=disk needs rollout.weight_sync_dir (a directory every "
-                              "node and the SGLang servers can read)")
+        if (
+            self.rollout.weight_sync == "disk"
+            and self.rollout.engine == "sglang"
+            and not self.rollout.weight_sync_dir
+        ):
+            raise ConfigError(
+                "rollout.weight_sync=disk needs rollout.weight_sync_dir (a directory every "
+                "node and the SGLang servers can read)"
+            )
         _choice("reward.kind", self.reward.kind, ("math_verify", "exact_match", "python"))
         _choice("advantage.kind", self.advantage.kind, ("grpo", "dr_grpo", "rloo"))
         _choice("model.params_dtype", self.model.params_dtype, ("float32", "bfloat16", "float16"))
-        for path, v, lo in (("steps", self.steps, 1), ("rollout.n_samples", self.rollout.n_samples, 1),
-                            ("rollout.sync_every", self.rollout.sync_every, 1),
-                            ("rollout.max_staleness", self.rollout.max_staleness, 0),
-                            ("rollout.dynamic_max_rounds", self.rollout.dynamic_max_rounds, 0),
-                            ("batch.prompts_per_rollout", self.batch.prompts_per_rollout, 1),
-                            ("batch.minibatches", self.batch.minibatches, 1),
-                            ("batch.epochs", self.batch.epochs, 1),
-                            ("batch.micro_batch_size", self.batch.micro_batch_size, 1),
-                            ("model.seq_length", self.model.seq_length, 2)):
+        for path, v, lo in (
+            ("steps", self.steps, 1),
+            ("rollout.n_samples", self.rollout.n_samples, 1),
+            ("rollout.sync_every", self.rollout.sync_every, 1),
+            ("rollout.max_staleness", self.rollout.max_staleness, 0),
+            ("rollout.dynamic_max_rounds", self.rollout.dynamic_max_rounds, 0),
+            ("batch.prompts_per_rollout", self.batch.prompts_per_rollout, 1),
+            ("batch.minibatches", self.batch.minibatches, 1),
+            ("batch.epochs", self.batch.epochs, 1),
+            ("batch.micro_batch_size", self.batch.micro_batch_size, 1),
+            ("model.seq_length", self.model.seq_length, 2),
+        ):
             if v < lo:
                 raise ConfigError(f"{path}={v} must be >= {lo}")
         if self.rollout.logprob_noise < 0:
             raise ConfigError(f"rollout.logprob_noise={self.rollout.logprob_noise} must be >= 0")
         if self.rollout.engine_temperature is not None and not self.rollout.engine_temperature > 0:
-            raise ConfigError(f"rollout.engine_temperature={self.rollout.engine_temperature} must be > 0")
+            raise ConfigError(
+                f"rollout.engine_temperature={self.rollout.engine_temperature} must be > 0"
+            )
         try:
             self.replay.check()
         except ValueError as e:
@@ -252,11 +268,19 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(f"loss: {e}") from None
         if self.parallel.world_size is not None and self.parallel.world_size != world_size:
-            raise ConfigError(f"parallel.world_size={self.parallel.world_size}: the recipe is written for "
-                              f"{self.parallel.world_size} GPUs but the launch has {world_size} ranks")
+            raise ConfigError(
+                f"parallel.world_size={self.parallel.world_size}: the recipe is written for "
+                f"{self.parallel.world_size} GPUs but the launch has {world_size} ranks"
+            )
         try:
-            lay = Layout(self.parallel.tp, self.parallel.pp, self.parallel.cp, None, self.parallel.vpp,
-                         self.parallel.sequence_parallel).resolve(world_size)
+            lay = Layout(
+                self.parallel.tp,
+                self.parallel.pp,
+                self.parallel.cp,
+                None,
+                self.parallel.vpp,
+                self.parallel.sequence_parallel,
+            ).resolve(world_size)
             lay.check_sequence(self.model.seq_length)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
@@ -266,20 +290,24 @@ class TrainConfig:
             raise ConfigError(
                 f"batch: prompts_per_rollout × n_samples = {self.batch.prompts_per_rollout} × "
                 f"{self.rollout.n_samples} = {seqs} sequences do not split into "
-                f"minibatches={self.batch.minibatches} optimizer steps")
+                f"minibatches={self.batch.minibatches} optimizer steps"
+            )
         step_seqs = seqs // self.batch.minibatches
         if step_seqs % per_step:
             raise ConfigError(
                 f"batch: {step_seqs} sequences per optimizer step are not a multiple of dp × "
-                f"micro_batch_size = {lay.dp} × {self.batch.micro_batch_size} = {per_step}")
+                f"micro_batch_size = {lay.dp} × {self.batch.micro_batch_size} = {per_step}"
+            )
         return self
 
 
 def _choice(path: str, value, choices: Sequence) -> None:
     if value not in choices:
         near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        raise ConfigError(f"{path}={value!r}; choose one of {list(choices)}"
-                          f"{f' (did you mean {near[0]!r}?)' if near else ''}")
+        raise ConfigError(
+            f"{path}={value!r}; choose one of {list(choices)}"
+            f"{f' (did you mean {near[0]!r}?)' if near else ''}"
+        )
 
 
 # -- strict loading ----------------------------------------------------------------------------
@@ -308,7 +336,9 @@ def _coerce(path: str, value: Any, tp) -> Any:
         raise ConfigError(errors[0] if errors else f"{path}: None is not allowed")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+            raise ConfigError(
+                f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}"
+            )
         return _build(tp, value, path)
     if tp is Any:
         return value
@@ -353,8 +383,10 @@ def _build(cls, data: dict, prefix: str = ""):
             hint = ""
             if near:
                 hint = f" (did you mean {(prefix + '.' if prefix else '') + near[0]!r}?)"
-            raise ConfigError(f"unknown config key {path!r}{hint}; known under "
-                              f"{prefix or 'the top level'}: {names}")
+            raise ConfigError(
+                f"unknown config key {path!r}{hint}; known under "
+                f"{prefix or 'the top level'}: {names}"
+            )
     kwargs = {k: _coerce(f"{prefix}.{k}" if prefix else k, v, hints[k]) for k, v in data.items()}
     try:
         return cls(**kwargs)

@@ -59,7 +59,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         if "device" in kwargs:
             kwargs["device"] = _cpu_if_cuda(kwargs["device"])
         kwargs.pop("pin_memory", None)
-        if func in (torch.Tensor.to, torch.Tensor.new_empty) or getattr(func, "__name__", "") == "to":
+        if (
+            func in (torch.Tensor.to, torch.Tensor.new_empty)
+            or getattr(func, "__name__", "") == "to"
+        ):
             args = tuple(_cpu_if_cuda(a) for a in args)
         return func(*args, **kwargs)
 
@@ -126,7 +129,9 @@ def install() -> bool:
         synchronize=lambda: None, wait_stream=lambda *_: None, record_event=lambda *_: None
     )
     # B: a CPU RNG tracker in place of the CUDA one.
-    tracker_cls = type("CpuRNGStatesTracker", (_CpuRNGStatesTracker, mrandom.CudaRNGStatesTracker), {})
+    tracker_cls = type(
+        "CpuRNGStatesTracker", (_CpuRNGStatesTracker, mrandom.CudaRNGStatesTracker), {}
+    )
     mrandom.CudaRNGStatesTracker_orig = mrandom.CudaRNGStatesTracker
     mrandom.CudaRNGStatesTracker = tracker_cls
     mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()

@@ -7,6 +7,7 @@ Python 3.12. When an upstream signature changes, this is the only file to touch.
 from __future__ import annotations
 
 import inspect
+
 import megatron.core
 from packaging.version import Version
 

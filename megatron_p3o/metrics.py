@@ -21,7 +21,8 @@ LOG_HIST_BINS = 1600  # bin width 0.01 in log space (≈1% in ratio)
 
 
 class StepMetrics:
-    """Accumulates one step's metrics locally; :meth:`reduce` combines ranks; :meth:`result` reads."""
+    """Accumulates one step's metrics locally; :meth:`reduce` combines ranks; :meth:`result`
+    reads."""
 
     def __init__(self):
         self.sums: Dict[str, list] = defaultdict(lambda: [0.0, 0.0])
@@ -38,12 +39,17 @@ class StepMetrics:
         self.maxes[name] = max(self.maxes.get(name, -math.inf), v)
 
     def add_log_hist(self, name: str, log_values: Tensor) -> None:
-        h = torch.histc(log_values.detach().double().clamp(-LOG_HIST_RANGE, LOG_HIST_RANGE),
-                        bins=LOG_HIST_BINS, min=-LOG_HIST_RANGE, max=LOG_HIST_RANGE)
+        h = torch.histc(
+            log_values.detach().double().clamp(-LOG_HIST_RANGE, LOG_HIST_RANGE),
+            bins=LOG_HIST_BINS,
+            min=-LOG_HIST_RANGE,
+            max=LOG_HIST_RANGE,
+        )
         self.hists[name] = self.hists.get(name, torch.zeros(LOG_HIST_BINS, dtype=torch.float64)) + h
 
     def reduce(self, group: Optional[dist.ProcessGroup]) -> "StepMetrics":
-        """Sum / max over ``group`` (DP×CP on the last stage). Every rank must hold the same names."""
+        """Sum / max over ``group`` (DP×CP on the last stage). Every rank must hold the same
+        names."""
         if group is None or dist.get_world_size(group) == 1:
             return self
         names = sorted(self.sums)

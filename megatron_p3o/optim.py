@@ -47,8 +47,9 @@ class OptimConfig:
     lr_decay_style: str = "constant"
 
 
-def wrap_ddp(chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
-             cfg: OptimConfig) -> List[torch.nn.Module]:
+def wrap_ddp(
+    chunks: Sequence[torch.nn.Module], groups: ParallelGroups, cfg: OptimConfig
+) -> List[torch.nn.Module]:
     """Wrap model chunks in Megatron's DDP and point the schedules at our grad finalizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -61,9 +62,12 @@ def wrap_ddp(chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
     wrapped = []
     for i, chunk in enumerate(chunks):
         ddp = DistributedDataParallel(
-            config=chunk.config, ddp_config=ddp_cfg, module=chunk,
+            config=chunk.config,
+            ddp_config=ddp_cfg,
+            module=chunk,
             # Only the first chunk's buckets are built eagerly; as Megatron's training does.
-            disable_bucketing=i > 0, pg_collection=groups.pg_collection,
+            disable_bucketing=i > 0,
+            pg_collection=groups.pg_collection,
         )
         wrapped.append(ddp)
     config = chunks[0].config
@@ -78,14 +82,16 @@ def _finalizer(groups: ParallelGroups):
     def finalize(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
         # DP×CP all-reduce (sum), tied-embedding sync across PP stages. No division by a token
         # count: the loss was already divided by the step's global count before backward.
-        finalize_model_grads(model, None, pg_collection=groups.pg_collection,
-                             force_all_reduce=force_all_reduce)
+        finalize_model_grads(
+            model, None, pg_collection=groups.pg_collection, force_all_reduce=force_all_reduce
+        )
 
     return finalize
 
 
-def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
-                    cfg: OptimConfig):
+def build_optimizer(
+    ddp_chunks: Sequence[torch.nn.Module], groups: ParallelGroups, cfg: OptimConfig
+):
     """Megatron's optimizer (Adam/AdamW, fp32 main params, optional DP-sharded state)."""
     from megatron.core.optimizer import OptimizerConfig
 

@@ -19,8 +19,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .errors import UserError
 
-class LayoutError(ValueError):
+
+class LayoutError(UserError, ValueError):
     """An impossible parallel layout; the message names the numbers involved."""
 
 
@@ -68,8 +70,14 @@ class Layout:
                 raise LayoutError(f"parallel layout: vpp={self.vpp} needs pp >= 2 (pp={self.pp})")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("parallel layout: sequence_parallel=True needs tp > 1 (tp=1)")
-        return Layout(self.tp, self.pp, self.cp, dp,
-                      None if self.vpp in (None, 1) else self.vpp, self.sequence_parallel)
+        return Layout(
+            self.tp,
+            self.pp,
+            self.cp,
+            dp,
+            None if self.vpp in (None, 1) else self.vpp,
+            self.sequence_parallel,
+        )
 
     def check_hardware(self) -> None:
         """What this machine cannot run (arithmetic is ``resolve``'s job, so a CPU can plan a GPU
@@ -224,7 +232,9 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
         required_pgs=["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp"]
     )
     # The distributed optimizer and DDP also look for these (no expert parallelism here).
-    pgc.intra_dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+    pgc.intra_dp_cp = ps.get_data_parallel_group(
+        with_context_parallel=True, partial_data_parallel=True
+    )
     pgc.expt_dp = ps.get_expert_data_parallel_group()
     pgc.intra_expt_dp = ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)
     pgc.tp_ep_pp = ps.get_expert_tensor_model_pipeline_parallel_group()

@@ -46,15 +46,19 @@ def describe_model(cfg: TrainConfig) -> Tuple[ModelDescription, int]:
         if not p.is_file():
             raise ConfigError(f"model.hf_config={cfg.model.hf_config!r} does not exist")
         return ModelDescription.from_hf_config(json.loads(p.read_text()), str(p)), 128
-    raise ConfigError(f"model.checkpoint={cfg.model.checkpoint!r} has no p3o_model.json and "
-                      "model.hf_config is not set: the dry run needs one of them")
+    raise ConfigError(
+        f"model.checkpoint={cfg.model.checkpoint!r} has no p3o_model.json and "
+        "model.hf_config is not set: the dry run needs one of them"
+    )
 
 
 def layer_params(d: ModelDescription) -> Tuple[int, int]:
     """(TP-sharded, replicated) parameter counts of one transformer layer."""
     q = d.num_heads * d.head_dim
     kv = d.num_kv_heads * d.head_dim
-    sharded = d.hidden_size * (q + 2 * kv) + q * d.hidden_size + 3 * d.hidden_size * d.intermediate_size
+    sharded = (
+        d.hidden_size * (q + 2 * kv) + q * d.hidden_size + 3 * d.hidden_size * d.intermediate_size
+    )
     if d.qkv_bias:
         sharded += q + 2 * kv
     replicated = 2 * d.hidden_size + (2 * d.head_dim if d.qk_norm else 0)
@@ -78,7 +82,9 @@ class Plan:
         return sum(self.gib.values())
 
 
-def make_plan(cfg: TrainConfig, world_size: int, desc: ModelDescription, divisible_by: int = 128) -> Plan:
+def make_plan(
+    cfg: TrainConfig, world_size: int, desc: ModelDescription, divisible_by: int = 128
+) -> Plan:
     """Layout + batch arithmetic (``cfg.validate``) and the memory estimate of the busiest GPU."""
     cfg.validate(world_size)
     p = cfg.parallel
@@ -88,7 +94,8 @@ def make_plan(cfg: TrainConfig, world_size: int, desc: ModelDescription, divisib
 
     try:
         Layout(tp, pp, cp, dp, p.vpp, p.sequence_parallel).check_model(
-            num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads)
+            num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads
+        )
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     vpad = padded_vocab_size(desc.vocab_size, tp, divisible_by)
@@ -99,7 +106,12 @@ def make_plan(cfg: TrainConfig, world_size: int, desc: ModelDescription, divisib
     total = L * (sh + rep) + desc.vocab_size * h * (1 if desc.tie_word_embeddings else 2) + h
     per_stage = -(-L // pp)
     first = per_stage * (sh // tp + rep) + emb // tp + (out // tp + h if pp == 1 else 0)
-    last = per_stage * (sh // tp + rep) + out // tp + h + (emb // tp if desc.tie_word_embeddings and pp > 1 else 0)
+    last = (
+        per_stage * (sh // tp + rep)
+        + out // tp
+        + h
+        + (emb // tp if desc.tie_word_embeddings and pp > 1 else 0)
+    )
     n = max(first, last)
     pb = _BYTES[cfg.model.params_dtype]
     o = cfg.optim
@@ -114,25 +126,35 @@ def make_plan(cfg: TrainConfig, world_size: int, desc: ModelDescription, divisib
     per_layer = s * b * h * ((34 / tp) if p.sequence_parallel else (10 + 24 / tp))
     act = per_layer * per_stage * min(pp, micro)
     logits = s * b * vpad / tp * 4
-    gib = {"parameters": n * pb / GiB, "gradients": grads / GiB,
-           "optimizer": opt / GiB, "activations": act / GiB, "logits": logits / GiB}
+    gib = {
+        "parameters": n * pb / GiB,
+        "gradients": grads / GiB,
+        "optimizer": opt / GiB,
+        "activations": act / GiB,
+        "logits": logits / GiB,
+    }
     return Plan(world_size, tp, pp, cp, dp, micro, total, n, gib)
 
 
-def format_plan(cfg: TrainConfig, plan: Plan, desc: ModelDescription, gpu_gib: float = 80.0) -> List[str]:
+def format_plan(
+    cfg: TrainConfig, plan: Plan, desc: ModelDescription, gpu_gib: float = 80.0
+) -> List[str]:
     c = cfg
     seqs = c.batch.prompts_per_rollout * c.rollout.n_samples
+    vpp = f" (vpp {c.parallel.vpp})" if c.parallel.vpp else ""
+    sp = " + sequence parallel" if c.parallel.sequence_parallel else ""
+    dist_opt = "on" if c.optim.distributed_optimizer else "off"
     lines = [
-        f"model: {desc.architecture}, {plan.params_total / 1e9:.2f} B parameters, {desc.num_layers} layers, "
-        f"hidden {desc.hidden_size}, vocab {desc.vocab_size}",
-        f"layout: world {plan.world_size} = tp {plan.tp} × pp {plan.pp} × cp {plan.cp} × dp {plan.dp}"
-        f"{f' (vpp {c.parallel.vpp})' if c.parallel.vpp else ''}{' + sequence parallel' if c.parallel.sequence_parallel else ''}",
-        f"batch: {c.batch.prompts_per_rollout} prompts × {c.rollout.n_samples} samples = {seqs} sequences per "
-        f"rollout → {c.batch.minibatches} optimizer step(s) × {c.batch.epochs} epoch(s); per step "
-        f"{seqs // c.batch.minibatches} = dp {plan.dp} × micro-batch {c.batch.micro_batch_size} × "
-        f"{plan.micro_batches} micro-batches",
-        f"memory per GPU (estimate, busiest stage; {plan.params_per_gpu / 1e9:.2f} B parameters on it, "
-        f"{c.model.params_dtype}, distributed optimizer {'on' if c.optim.distributed_optimizer else 'off'}):",
+        f"model: {desc.architecture}, {plan.params_total / 1e9:.2f} B parameters, "
+        f"{desc.num_layers} layers, hidden {desc.hidden_size}, vocab {desc.vocab_size}",
+        f"layout: world {plan.world_size} = tp {plan.tp} × pp {plan.pp} × cp {plan.cp} × "
+        f"dp {plan.dp}{vpp}{sp}",
+        f"batch: {c.batch.prompts_per_rollout} prompts × {c.rollout.n_samples} samples = {seqs} "
+        f"sequences per rollout → {c.batch.minibatches} optimizer step(s) × {c.batch.epochs} "
+        f"epoch(s); per step {seqs // c.batch.minibatches} = dp {plan.dp} × micro-batch "
+        f"{c.batch.micro_batch_size} × {plan.micro_batches} micro-batches",
+        f"memory per GPU (estimate, busiest stage; {plan.params_per_gpu / 1e9:.2f} B parameters "
+        f"on it, {c.model.params_dtype}, distributed optimizer {dist_opt}):",
     ]
     for k, v in plan.gib.items():
         lines.append(f"  {k:<12} {v:8.2f} GiB")

@@ -29,14 +29,14 @@ from .types import Group
 @dataclass(frozen=True)
 class ReplayConfig:
     """Attributes:
-        policy: "none" or "bapo".
-        capacity: stored high-quality groups (oldest evicted first).
-        max_reuse: times a stored group may be trained on again.
-        max_age: a stored group is dropped once the policy is this many versions newer.
-        difficult_max: c1 — group mean reward ≤ c1 marks a prompt difficult (re-evaluate it).
-        quality_min, quality_max: c2, c3 — groups with c2 ≤ mean ≤ c3 are stored for reuse.
-        reeval_per_step: difficult prompts rolled out again in each rollout batch.
-        difficult_capacity: difficult prompts remembered (oldest dropped first).
+    policy: "none" or "bapo".
+    capacity: stored high-quality groups (oldest evicted first).
+    max_reuse: times a stored group may be trained on again.
+    max_age: a stored group is dropped once the policy is this many versions newer.
+    difficult_max: c1 — group mean reward ≤ c1 marks a prompt difficult (re-evaluate it).
+    quality_min, quality_max: c2, c3 — groups with c2 ≤ mean ≤ c3 are stored for reuse.
+    reeval_per_step: difficult prompts rolled out again in each rollout batch.
+    difficult_capacity: difficult prompts remembered (oldest dropped first).
     """
 
     policy: str = "none"
@@ -56,7 +56,9 @@ class ReplayConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"replay.{name}={getattr(self, name)} must be >= 0")
         if not self.quality_min <= self.quality_max:
-            raise ValueError(f"replay.quality_min={self.quality_min} > quality_max={self.quality_max}")
+            raise ValueError(
+                f"replay.quality_min={self.quality_min} > quality_max={self.quality_max}"
+            )
 
 
 class ReplayBuffer:
@@ -90,19 +92,26 @@ class ReplayBuffer:
 
     def _eligible(self, version: int) -> None:
         """Drop stored groups that are too old or used up."""
-        keep = [g for g in self.stored
-                if g.uses < 1 + self.cfg.max_reuse and version - g.oldest_version <= self.cfg.max_age]
+        keep = [
+            g
+            for g in self.stored
+            if g.uses < 1 + self.cfg.max_reuse and version - g.oldest_version <= self.cfg.max_age
+        ]
         self.stored = deque(keep)
 
-    def compose(self, groups: List[Group], version: int,
-                dropped: Sequence[Group] = ()) -> Tuple[List[Group], Dict[str, float]]:
+    def compose(
+        self, groups: List[Group], version: int, dropped: Sequence[Group] = ()
+    ) -> Tuple[List[Group], Dict[str, float]]:
         """The batch to train on at policy ``version``: homogeneous groups swapped for stored ones.
 
         Every fresh/re-evaluated group counts as one use; mixed ones are stored for reuse,
         difficult ones remembered for re-evaluation (also those dynamic sampling ``dropped``).
         """
-        stats = {"replay_groups": 0.0, "replay_difficult": float(len(self.difficult)),
-                 "homogeneous_groups": float(sum(g.homogeneous for g in groups))}
+        stats = {
+            "replay_groups": 0.0,
+            "replay_difficult": float(len(self.difficult)),
+            "homogeneous_groups": float(sum(g.homogeneous for g in groups)),
+        }
         if not self.active:
             return groups, stats
         c = self.cfg
@@ -137,7 +146,10 @@ class ReplayBuffer:
         return out, stats
 
     def state(self) -> dict:
-        return {"stored": [g.to_dict() for g in self.stored], "difficult": [list(x) for x in self.difficult]}
+        return {
+            "stored": [g.to_dict() for g in self.stored],
+            "difficult": [list(x) for x in self.difficult],
+        }
 
     def load_state(self, st: dict) -> None:
         self.stored = deque(Group.from_dict(d) for d in st["stored"])

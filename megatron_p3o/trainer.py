@@ -21,8 +21,12 @@ import torch.distributed as dist
 
 from .advantage import group_advantages
 from .batching import samples_to_microbatches
-from .checkpoint import (latest_checkpoint, load_model_state, load_training_checkpoint,
-                         save_training_checkpoint)
+from .checkpoint import (
+    latest_checkpoint,
+    load_model_state,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 from .config import TrainConfig, to_dict
 from .hf.dist_stream import read_meta
 from .loss import build_objective
@@ -51,9 +55,17 @@ class Trainer:
         meta = read_meta(ckpt)
         self.desc = meta["description"]
         dtype = getattr(torch, cfg.model.params_dtype)
-        self.chunks = build_model(self.desc, groups, BuildOptions(
-            params_dtype=dtype, make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
-            seq_length=cfg.model.seq_length, use_te=cfg.model.use_te, fp8=cfg.model.fp8))
+        self.chunks = build_model(
+            self.desc,
+            groups,
+            BuildOptions(
+                params_dtype=dtype,
+                make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+                seq_length=cfg.model.seq_length,
+                use_te=cfg.model.use_te,
+                fp8=cfg.model.fp8,
+            ),
+        )
         load_model_state(self.chunks, ckpt)
         self.ddp = wrap_ddp(self.chunks, groups, cfg.optim)
         self.opt = build_optimizer(self.ddp, groups, cfg.optim)
@@ -61,28 +73,49 @@ class Trainer:
         self.tok = AutoTokenizer.from_pretrained(ckpt / "hf")
         s = cfg.rollout.sampling
         eos = self.tok.eos_token_id
-        self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                       max_new_tokens=s.max_new_tokens,
-                                       stop_token_ids=(eos,) if eos is not None else ())
+        self.sampling = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=(eos,) if eos is not None else (),
+        )
         check_behaviour_semantics(self.sampling, s.temperature, cfg.loss.objective)
         engine_sampling = self.sampling
         if cfg.rollout.engine_temperature is not None:  # deliberate mismatch (stress experiments)
             engine_sampling = replace(self.sampling, temperature=cfg.rollout.engine_temperature)
         self.objective = build_objective(cfg.loss.objective, **cfg.loss.hyper)
-        self.loss = StepLoss(self.objective, groups, self.desc.vocab_size, StepLossConfig(
-            temperature=s.temperature, ess_scope=cfg.loss.ess_scope, nonfinite=cfg.loss.nonfinite,
-            logprob_chunk=cfg.loss.logprob_chunk))
+        self.loss = StepLoss(
+            self.objective,
+            groups,
+            self.desc.vocab_size,
+            StepLossConfig(
+                temperature=s.temperature,
+                ess_scope=cfg.loss.ess_scope,
+                nonfinite=cfg.loss.nonfinite,
+                logprob_chunk=cfg.loss.logprob_chunk,
+            ),
+        )
         self.central = cfg.rollout.engine == "sglang"
         if self.central:
             self.engine, self.eval_engine = self._central_engines()
         else:
-            self.engine = self.eval_engine = EmbeddedEngine(description_to_hf_config(self.desc),
-                                                            cfg.rollout.precision,
-                                                            pad_token_id=self.tok.pad_token_id or 0)
-        self.data = PromptData(cfg.data.path, self.tok, prompt_key=cfg.data.prompt_key,
-                               answer_key=cfg.data.answer_key, chat_template=cfg.data.chat_template,
-                               shuffle=cfg.data.shuffle, seed=cfg.run.seed, dp_rank=groups.dp_rank,
-                               dp_size=groups.layout.dp)
+            self.engine = self.eval_engine = EmbeddedEngine(
+                description_to_hf_config(self.desc),
+                cfg.rollout.precision,
+                pad_token_id=self.tok.pad_token_id or 0,
+            )
+        self.data = PromptData(
+            cfg.data.path,
+            self.tok,
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
+            chat_template=cfg.data.chat_template,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.run.seed,
+            dp_rank=groups.dp_rank,
+            dp_size=groups.layout.dp,
+        )
         self.reward_fn = build_reward(cfg.reward.kind, cfg.reward.function)
         self.replay = ReplayBuffer(cfg.replay)
         self.step_idx = 0
@@ -102,17 +135,30 @@ class Trainer:
             self.step_idx = int(st["step"])
             pending = self._load_rank_state(st["ranks"])
         dp = groups.layout.dp
-        plan = RolloutPlan(prompts=cfg.batch.prompts_per_rollout // dp, n_samples=cfg.rollout.n_samples,
-                           sampling=engine_sampling, sync_every=cfg.rollout.sync_every,
-                           max_staleness=cfg.rollout.max_staleness,
-                           dynamic_sampling=cfg.rollout.dynamic_sampling,
-                           max_rounds=cfg.rollout.dynamic_max_rounds,
-                           logprob_noise=cfg.rollout.logprob_noise, seed=cfg.run.seed, dp_rank=groups.dp_rank,
-                           end=cfg.steps)
+        plan = RolloutPlan(
+            prompts=cfg.batch.prompts_per_rollout // dp,
+            n_samples=cfg.rollout.n_samples,
+            sampling=engine_sampling,
+            sync_every=cfg.rollout.sync_every,
+            max_staleness=cfg.rollout.max_staleness,
+            dynamic_sampling=cfg.rollout.dynamic_sampling,
+            max_rounds=cfg.rollout.dynamic_max_rounds,
+            logprob_noise=cfg.rollout.logprob_noise,
+            seed=cfg.run.seed,
+            dp_rank=groups.dp_rank,
+            end=cfg.steps,
+        )
         if self.central:  # the server gets the trainer's weights now (attached or resumed runs)
             self._push_central()
-        self.rollout = RolloutScheduler(self.engine, self.data, self._score, plan, self.step_idx,
-                                        [] if self.central else self.export_weights(), pending)
+        self.rollout = RolloutScheduler(
+            self.engine,
+            self.data,
+            self._score,
+            plan,
+            self.step_idx,
+            [] if self.central else self.export_weights(),
+            pending,
+        )
 
     # -- stages ---------------------------------------------------------------------------------
     def export_weights(self) -> List:
@@ -141,10 +187,16 @@ class Trainer:
             workers = [SGLangEngine(replace(r.sglang, url=u)) for u in r.sglang_workers] or [router]
             inner = SGLangFleet(router, workers).start()
             if r.weight_sync == "nccl":
-                inner.init_weight_update_groups(os.environ.get("MASTER_ADDR", "127.0.0.1"), r.weight_sync_port)
+                inner.init_weight_update_groups(
+                    os.environ.get("MASTER_ADDR", "127.0.0.1"), r.weight_sync_port
+                )
         hf = description_to_hf_config(self.desc, self.cfg.model.params_dtype)
-        return tuple(CentralEngine(inner, self.groups, new_object_group(), r.weight_sync, r.weight_sync_dir, hf)
-                     for _ in range(2))
+        return tuple(
+            CentralEngine(
+                inner, self.groups, new_object_group(), r.weight_sync, r.weight_sync_dir, hf
+            )
+            for _ in range(2)
+        )
 
     def _push_central(self) -> None:
         """Stream the weights to rank 0 and push them to the server (every rank takes part)."""
@@ -159,8 +211,12 @@ class Trainer:
         return self.tok.decode(ids, skip_special_tokens=True).replace(" ", "")
 
     def _score(self, samples, answers) -> List[float]:
-        return score_samples(self.reward_fn, [self._decode(s.completion_ids) for s in samples], answers,
-                             [s.group_id for s in samples])
+        return score_samples(
+            self.reward_fn,
+            [self._decode(s.completion_ids) for s in samples],
+            answers,
+            [s.group_id for s in samples],
+        )
 
     def step(self) -> Dict[str, float]:
         cfg, t = self.cfg, {}
@@ -183,15 +239,20 @@ class Trainer:
         stale = torch.tensor([float(self.step_idx - s.weight_version) for s in samples])
         t["advantage_s"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        all_mbs = samples_to_microbatches(samples, adv, cfg.model.seq_length, cfg.batch.micro_batch_size,
-                                          self.tok.pad_token_id or 0)
+        all_mbs = samples_to_microbatches(
+            samples,
+            adv,
+            cfg.model.seq_length,
+            cfg.batch.micro_batch_size,
+            self.tok.pad_token_id or 0,
+        )
         if self.objective.needs_old_logprobs:  # πold/πprox = the policy before this batch's updates
             self.loss.recompute_old_logprobs(self.ddp, all_mbs)
         per_step = len(all_mbs) // cfg.batch.minibatches
         metrics: Dict[str, float] = {}
         for _ in range(cfg.batch.epochs):
             for m in range(cfg.batch.minibatches):
-                mbs = all_mbs[m * per_step:(m + 1) * per_step]
+                mbs = all_mbs[m * per_step : (m + 1) * per_step]
                 zero_grads(self.ddp, self.opt)
                 metrics = self.loss.run(self.ddp, mbs)
                 ok, gnorm, _ = self.opt.step()
@@ -209,12 +270,23 @@ class Trainer:
         if cfg.checkpoint.every and self.step_idx % cfg.checkpoint.every == 0:
             self.save_checkpoint()
         toks = sum(len(s.completion_ids) for s in samples)
-        out = {"step": self.step_idx, **metrics, **t, **res.stats, **rstats,
-               "reward_mean": float(rewards.mean()), "completion_len": toks / len(samples),
-               "train_tok_per_s": cfg.batch.epochs * metrics.get("n_tokens", 0.0) * cfg.batch.minibatches
-               / max(t["train_s"], 1e-9),
-               "staleness_mean": float(stale.mean()), "staleness_max": float(stale.max()),
-               "weight_version": self.step_idx, "lr": self.opt.param_groups[0]["lr"]}
+        out = {
+            "step": self.step_idx,
+            **metrics,
+            **t,
+            **res.stats,
+            **rstats,
+            "reward_mean": float(rewards.mean()),
+            "completion_len": toks / len(samples),
+            "train_tok_per_s": cfg.batch.epochs
+            * metrics.get("n_tokens", 0.0)
+            * cfg.batch.minibatches
+            / max(t["train_s"], 1e-9),
+            "staleness_mean": float(stale.mean()),
+            "staleness_max": float(stale.max()),
+            "weight_version": self.step_idx,
+            "lr": self.opt.param_groups[0]["lr"],
+        }
         self._reduce_reward(out)
         out["rollout_tok_per_s"] = out["rollout_tokens"] / max(out["rollout_s"], 1e-9)
         if self.rank0:
@@ -226,7 +298,13 @@ class Trainer:
             self.tb.flush()
         return out
 
-    _DP_SUMS = ("rollout_tokens", "dynamic_refilled", "reeval_groups", "replay_groups", "homogeneous_groups")
+    _DP_SUMS = (
+        "rollout_tokens",
+        "dynamic_refilled",
+        "reeval_groups",
+        "replay_groups",
+        "homogeneous_groups",
+    )
     _DP_MEANS = ("reward_mean", "completion_len", "staleness_mean", "rollout_s", "rollout_wait_s")
 
     def _reduce_reward(self, out: Dict[str, float]) -> None:
@@ -250,9 +328,14 @@ class Trainer:
         precision (the engine is borrowed from the rollout producer for the duration)."""
         rows = all_rows(path, self.tok, self.cfg.data.prompt_key, self.cfg.data.answer_key)
         rows = rows[:limit] if limit else rows
-        rows = rows[self.groups.dp_rank::self.groups.layout.dp]
-        sp = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=self.sampling.max_new_tokens,
-                            stop_token_ids=self.sampling.stop_token_ids, seed=0)
+        rows = rows[self.groups.dp_rank :: self.groups.layout.dp]
+        sp = SamplingParams(
+            temperature=1.0,
+            top_k=1,
+            max_new_tokens=self.sampling.max_new_tokens,
+            stop_token_ids=self.sampling.stop_token_ids,
+            seed=0,
+        )
         if self.central:  # the server holds the weights of the last sync point
             samples = self.eval_engine.generate([r[0] for r in rows], 1, sp)
         else:
@@ -260,8 +343,10 @@ class Trainer:
             with self.rollout.engine_lock:
                 self.rollout.ensure_weights(Publication(self.step_idx - 1, self.step_idx, weights))
                 samples = self.engine.generate([r[0] for r in rows], 1, sp)
-        correct = sum(float(self.reward_fn(self._decode(s.completion_ids), rows[s.group_id][1]))
-                      for s in samples)
+        correct = sum(
+            float(self.reward_fn(self._decode(s.completion_ids), rows[s.group_id][1]))
+            for s in samples
+        )
         t = torch.tensor([correct, len(rows)], dtype=torch.float64)
         if self.groups.layout.dp > 1:
             # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
@@ -282,10 +367,19 @@ class Trainer:
         parts: List = [None] * g.world_size
         # World: each DP rank has its own cursor and buffer; rank 0 stores them all in common.pt.
         dist.all_gather_object(parts, mine)
-        state = {"ranks": {str(r): v for r, v in (x for x in parts if x is not None)},
-                 "weight_version": self.step_idx}
-        return save_training_checkpoint(self.run_dir, self.step_idx, self.chunks, self.opt, self.sched,
-                                        state, keep_last=self.cfg.checkpoint.keep_last)
+        state = {
+            "ranks": {str(r): v for r, v in (x for x in parts if x is not None)},
+            "weight_version": self.step_idx,
+        }
+        return save_training_checkpoint(
+            self.run_dir,
+            self.step_idx,
+            self.chunks,
+            self.opt,
+            self.sched,
+            state,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
 
     def _load_rank_state(self, ranks: Dict[str, dict]) -> List[dict]:
         """Restore this DP rank's cursor and buffer; returns its pending re-evaluation requests.

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from .errors import UserError
 
-class SamplingError(ValueError):
+
+class SamplingError(UserError, ValueError):
     """Sampling parameters that cannot be honoured; the message names the parameter."""
 
 
@@ -77,8 +79,10 @@ class Sample:
 
     def __post_init__(self):
         if len(self.completion_ids) != len(self.logprobs):
-            raise ValueError(f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
-                             f"{len(self.logprobs)} log-probs")
+            raise ValueError(
+                f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
+                f"{len(self.logprobs)} log-probs"
+            )
 
 
 @dataclass
@@ -122,14 +126,32 @@ class Group:
         return min(s.weight_version for s in self.samples)
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "prompt_ids": self.prompt_ids, "answer": self.answer,
-                "source": self.source, "uses": self.uses,
-                "samples": [{"completion_ids": s.completion_ids, "logprobs": s.logprobs,
-                             "finish_reason": s.finish_reason, "weight_version": s.weight_version,
-                             "reward": s.reward} for s in self.samples]}
+        return {
+            "index": self.index,
+            "prompt_ids": self.prompt_ids,
+            "answer": self.answer,
+            "source": self.source,
+            "uses": self.uses,
+            "samples": [
+                {
+                    "completion_ids": s.completion_ids,
+                    "logprobs": s.logprobs,
+                    "finish_reason": s.finish_reason,
+                    "weight_version": s.weight_version,
+                    "reward": s.reward,
+                }
+                for s in self.samples
+            ],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Group":
         samples = [Sample(prompt_ids=list(d["prompt_ids"]), group_id=0, **s) for s in d["samples"]]
-        return cls(int(d["index"]), list(d["prompt_ids"]), str(d["answer"]), samples, d["source"],
-                   int(d["uses"]))
+        return cls(
+            int(d["index"]),
+            list(d["prompt_ids"]),
+            str(d["answer"]),
+            samples,
+            d["source"],
+            int(d["uses"]),
+        )

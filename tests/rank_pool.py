@@ -31,8 +31,13 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, conn) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -106,7 +111,10 @@ class RankPool:
                     try:
                         status, payload = self.conns[r].recv()
                     except EOFError:
-                        status, payload = "err", f"rank {r}: process died (exit {self.procs[r].exitcode})"
+                        status, payload = (
+                            "err",
+                            f"rank {r}: process died (exit {self.procs[r].exitcode})",
+                        )
                     pending.discard(r)
                     if status == "err":
                         errors.append((time.monotonic(), payload))
@@ -114,20 +122,34 @@ class RankPool:
                         results[r] = payload
                 elif not self.procs[r].is_alive():
                     pending.discard(r)
-                    errors.append((time.monotonic(), f"rank {r}: process died (exit {self.procs[r].exitcode})"))
+                    errors.append(
+                        (
+                            time.monotonic(),
+                            f"rank {r}: process died (exit {self.procs[r].exitcode})",
+                        )
+                    )
         if errors or pending:
             self.close()
             msg = [f"{what} failed on {self.world_size} ranks"]
             msg += [e for _, e in errors]
             if pending:
                 waited = "10s after the first error" if errors else f"{timeout:.0f}s"
-                msg.append(f"ranks {sorted(pending)} gave no answer within {waited} "
-                           "(timeout or stuck in a collective)")
+                msg.append(
+                    f"ranks {sorted(pending)} gave no answer within {waited} "
+                    "(timeout or stuck in a collective)"
+                )
             raise RankFailure("\n".join(msg))
         return results
 
-    def run(self, body: Callable, layout=None, *, seed: int = 1234,
-            timeout: Optional[float] = None, **kwargs) -> List[Any]:
+    def run(
+        self,
+        body: Callable,
+        layout=None,
+        *,
+        seed: int = 1234,
+        timeout: Optional[float] = None,
+        **kwargs,
+    ) -> List[Any]:
         if not self.alive:
             raise RankFailure("rank pool is not alive")
         msg = (body.__module__, body.__qualname__, layout, seed, kwargs)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fresh virtual environment, install exactly as the README says, run the whole test suite.
+# Fresh virtual environment, install the pinned versions (constraints-cpu.txt), lint, run the
+# whole test suite.
 # Usage: bash tools/run_tests.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,9 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+# lint and format (ruff.toml): a failure here stops the run before the slow suite
+ruff check .
+ruff format --check .
 start=$(date +%s)
 set +e
 python -m pytest -q --durations=15 "$@"

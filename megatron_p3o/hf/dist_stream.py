@@ -16,6 +16,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import CheckpointError
 from ..model.description import ModelDescription
 from .mapping import TensorMap, split_layer, tensor_maps
 
@@ -25,20 +26,31 @@ P3O_META_FILE = "p3o_model.json"  # the model description and vocab padding, nex
 TensorSource = Callable[[TensorMap], torch.Tensor]
 
 
-def write_meta(ckpt_dir: Path, desc: ModelDescription, padded_vocab: int, divisible_by: int,
-               dtype: torch.dtype, source: Optional[str] = None) -> None:
-    meta = {"description": desc.to_dict(), "padded_vocab_size": padded_vocab,
-            "make_vocab_size_divisible_by": divisible_by, "params_dtype": str(dtype).replace("torch.", ""),
-            "source": source}
+def write_meta(
+    ckpt_dir: Path,
+    desc: ModelDescription,
+    padded_vocab: int,
+    divisible_by: int,
+    dtype: torch.dtype,
+    source: Optional[str] = None,
+) -> None:
+    meta = {
+        "description": desc.to_dict(),
+        "padded_vocab_size": padded_vocab,
+        "make_vocab_size_divisible_by": divisible_by,
+        "params_dtype": str(dtype).replace("torch.", ""),
+        "source": source,
+    }
     (Path(ckpt_dir) / P3O_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
 
 def read_meta(ckpt_dir: str | Path) -> dict:
     p = Path(ckpt_dir) / P3O_META_FILE
     if not p.is_file():
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"{ckpt_dir}: no {P3O_META_FILE}; not a checkpoint written by megatron_p3o "
-            "(convert it with checkpoints_convert.hf_to_megatron)")
+            "(convert it with checkpoints_convert.hf_to_megatron)"
+        )
     meta = json.loads(p.read_text())
     meta["description"] = ModelDescription.from_dict(meta["description"])
     return meta
@@ -73,7 +85,10 @@ def _streaming_strategy(resolve):
     """A Megatron save strategy that writes torch_dist checkpoints from lazily made chunks."""
     from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
     from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -97,10 +112,17 @@ def _streaming_strategy(resolve):
             sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt = mcore_to_pyt_state_dict(sd, False)
             # one file per chunk and no read-ahead: the writer never holds two chunks at once
-            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=False, thread_count=1,
-                                      per_thread_copy_ahead=0)
-            dcp_save(pyt, storage_writer=writer, planner=LazyPlanner(flatten_state_dict=False,
-                                                                     dedup_replicated_tensors=False))
+            writer = FileSystemWriter(
+                str(checkpoint_dir),
+                single_file_per_rank=False,
+                thread_count=1,
+                per_thread_copy_ahead=0,
+            )
+            dcp_save(
+                pyt,
+                storage_writer=writer,
+                planner=LazyPlanner(flatten_state_dict=False, dedup_replicated_tensors=False),
+            )
 
     return StreamingSave()
 
@@ -109,18 +131,27 @@ def build_meta_model(desc: ModelDescription, groups, dtype: torch.dtype, divisib
     """The TP=1 GPTModel on the meta device: names and shapes, no memory."""
     from ..model.builder import BuildOptions, build_model
 
-    opts = BuildOptions(params_dtype=dtype, make_vocab_size_divisible_by=divisible_by,
-                        seq_length=min(desc.max_position_embeddings, 4096), use_te=False)
+    opts = BuildOptions(
+        params_dtype=dtype,
+        make_vocab_size_divisible_by=divisible_by,
+        seq_length=min(desc.max_position_embeddings, 4096),
+        use_te=False,
+    )
     with torch.device("meta"):
         (model,) = build_model(desc, groups, opts)
     return model
 
 
-def write_checkpoint(desc: ModelDescription, groups, source: TensorSource, ckpt_dir: Path,
-                     dtype: torch.dtype, divisible_by: int) -> int:
+def write_checkpoint(
+    desc: ModelDescription,
+    groups,
+    source: TensorSource,
+    ckpt_dir: Path,
+    dtype: torch.dtype,
+    divisible_by: int,
+) -> int:
     """Write a Megatron dist checkpoint (loadable at any TP/PP) from ``source``; returns chunks."""
     from megatron.core import dist_checkpointing
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     model = build_meta_model(desc, groups, dtype, divisible_by)
@@ -137,8 +168,11 @@ def write_checkpoint(desc: ModelDescription, groups, source: TensorSource, ckpt_
             raise
 
     try:
-        dist_checkpointing.save({"model0": model.sharded_state_dict()}, str(ckpt_dir),
-                                sharded_strategy=_streaming_strategy(counted))
+        dist_checkpointing.save(
+            {"model0": model.sharded_state_dict()},
+            str(ckpt_dir),
+            sharded_strategy=_streaming_strategy(counted),
+        )
     except CheckpointException as e:  # a BaseException that wraps the real cause
         if failure:
             raise failure[0] from None
@@ -174,7 +208,8 @@ def read_checkpoint(ckpt_dir: str | Path) -> Iterator[Tuple[TensorMap, torch.Ten
                 request[tm.mcore] = ShardedTensor.from_rank_offsets(key, buf, replica_id=0)
             else:
                 request[tm.mcore] = ShardedTensor.from_rank_offsets(
-                    key, buf.unsqueeze(0), (0, li, desc.num_layers), replica_id=0)
+                    key, buf.unsqueeze(0), (0, li, desc.num_layers), replica_id=0
+                )
         # one layer at a time: the request deliberately covers only part of each tensor
         loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
         for tm in tms:

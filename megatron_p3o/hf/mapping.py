@@ -22,10 +22,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..errors import UserError
 from ..model.description import ModelDescription
 
 
-class MappingError(ValueError):
+class MappingError(UserError, ValueError):
     """A tensor is missing or has the wrong shape; the message names it and both shapes."""
 
 
@@ -58,26 +59,71 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def tensor_maps(desc: ModelDescription) -> List[TensorMap]:
     """Every Megatron tensor of the model, in checkpoint order."""
-    maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)]
+    maps = [
+        TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)
+    ]
     for i in range(desc.num_layers):
         p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         attn = [f"{h}self_attn.{x}_proj.weight" for x in "qkv"]
         maps += [
-            TensorMap(p + "self_attention.linear_qkv.layer_norm_weight", (h + "input_layernorm.weight",), "copy", None, i),
+            TensorMap(
+                p + "self_attention.linear_qkv.layer_norm_weight",
+                (h + "input_layernorm.weight",),
+                "copy",
+                None,
+                i,
+            ),
             TensorMap(p + "self_attention.linear_qkv.weight", tuple(attn), "qkv", 0, i),
         ]
         if desc.qkv_bias:
-            maps.append(TensorMap(p + "self_attention.linear_qkv.bias",
-                                  tuple(f"{h}self_attn.{x}_proj.bias" for x in "qkv"), "qkv", 0, i))
+            maps.append(
+                TensorMap(
+                    p + "self_attention.linear_qkv.bias",
+                    tuple(f"{h}self_attn.{x}_proj.bias" for x in "qkv"),
+                    "qkv",
+                    0,
+                    i,
+                )
+            )
         if desc.qk_norm:
             maps += [
-                TensorMap(p + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None, i),
-                TensorMap(p + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None, i),
+                TensorMap(
+                    p + "self_attention.q_layernorm.weight",
+                    (h + "self_attn.q_norm.weight",),
+                    "copy",
+                    None,
+                    i,
+                ),
+                TensorMap(
+                    p + "self_attention.k_layernorm.weight",
+                    (h + "self_attn.k_norm.weight",),
+                    "copy",
+                    None,
+                    i,
+                ),
             ]
         maps += [
-            TensorMap(p + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1, i),
-            TensorMap(p + "mlp.linear_fc1.layer_norm_weight", (h + "post_attention_layernorm.weight",), "copy", None, i),
-            TensorMap(p + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1", 0, i),
+            TensorMap(
+                p + "self_attention.linear_proj.weight",
+                (h + "self_attn.o_proj.weight",),
+                "copy",
+                1,
+                i,
+            ),
+            TensorMap(
+                p + "mlp.linear_fc1.layer_norm_weight",
+                (h + "post_attention_layernorm.weight",),
+                "copy",
+                None,
+                i,
+            ),
+            TensorMap(
+                p + "mlp.linear_fc1.weight",
+                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                "fc1",
+                0,
+                i,
+            ),
             TensorMap(p + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1, i),
         ]
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
@@ -88,23 +134,34 @@ def tensor_maps(desc: ModelDescription) -> List[TensorMap]:
 
 def hf_shapes(desc: ModelDescription) -> Dict[str, Tuple[int, ...]]:
     """The shape of every HF tensor the model must have."""
-    H, I, V, d = desc.hidden_size, desc.intermediate_size, desc.vocab_size, desc.head_dim
+    H, I, V, d = desc.hidden_size, desc.intermediate_size, desc.vocab_size, desc.head_dim  # noqa: E741
     q, kv = desc.num_heads * d, desc.num_kv_heads * d
     out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not desc.tie_word_embeddings:
         out["lm_head.weight"] = (V, H)
     for i in range(desc.num_layers):
         h = f"model.layers.{i}."
-        out.update({
-            h + "input_layernorm.weight": (H,), h + "post_attention_layernorm.weight": (H,),
-            h + "self_attn.q_proj.weight": (q, H), h + "self_attn.k_proj.weight": (kv, H),
-            h + "self_attn.v_proj.weight": (kv, H), h + "self_attn.o_proj.weight": (H, q),
-            h + "mlp.gate_proj.weight": (I, H), h + "mlp.up_proj.weight": (I, H),
-            h + "mlp.down_proj.weight": (H, I),
-        })
+        out.update(
+            {
+                h + "input_layernorm.weight": (H,),
+                h + "post_attention_layernorm.weight": (H,),
+                h + "self_attn.q_proj.weight": (q, H),
+                h + "self_attn.k_proj.weight": (kv, H),
+                h + "self_attn.v_proj.weight": (kv, H),
+                h + "self_attn.o_proj.weight": (H, q),
+                h + "mlp.gate_proj.weight": (I, H),
+                h + "mlp.up_proj.weight": (I, H),
+                h + "mlp.down_proj.weight": (H, I),
+            }
+        )
         if desc.qkv_bias:
-            out.update({h + "self_attn.q_proj.bias": (q,), h + "self_attn.k_proj.bias": (kv,),
-                        h + "self_attn.v_proj.bias": (kv,)})
+            out.update(
+                {
+                    h + "self_attn.q_proj.bias": (q,),
+                    h + "self_attn.k_proj.bias": (kv,),
+                    h + "self_attn.v_proj.bias": (kv,),
+                }
+            )
         if desc.qk_norm:
             out.update({h + "self_attn.q_norm.weight": (d,), h + "self_attn.k_norm.weight": (d,)})
     return out
@@ -125,7 +182,9 @@ def _qkv_groups(desc: ModelDescription) -> Tuple[int, int, int]:
     return desc.num_kv_heads, desc.num_heads // desc.num_kv_heads, desc.head_dim
 
 
-def to_mcore(tm: TensorMap, hf: Sequence[Tensor], desc: ModelDescription, padded_vocab: int) -> Tensor:
+def to_mcore(
+    tm: TensorMap, hf: Sequence[Tensor], desc: ModelDescription, padded_vocab: int
+) -> Tensor:
     """Build the TP=1 Megatron tensor from its HF tensors (in ``tm.hf`` order)."""
     if tm.kind == "copy":
         return hf[0]
@@ -141,8 +200,9 @@ def to_mcore(tm: TensorMap, hf: Sequence[Tensor], desc: ModelDescription, padded
     g, qpg, d = _qkv_groups(desc)
     q, k, v = hf
     rest = tuple(q.shape[1:])
-    fused = torch.cat([q.reshape((g, qpg * d) + rest), k.reshape((g, d) + rest),
-                       v.reshape((g, d) + rest)], 1)
+    fused = torch.cat(
+        [q.reshape((g, qpg * d) + rest), k.reshape((g, d) + rest), v.reshape((g, d) + rest)], 1
+    )
     return fused.reshape((g * (qpg + 2) * d,) + rest)
 
 
@@ -159,13 +219,16 @@ def to_hf(tm: TensorMap, t: Tensor, desc: ModelDescription) -> Dict[str, Tensor]
     rest = tuple(t.shape[1:])
     grouped = t.reshape((g, (qpg + 2) * d) + rest)
     q, k, v = grouped.split([qpg * d, d, d], 1)
-    return {tm.hf[0]: q.reshape((g * qpg * d,) + rest), tm.hf[1]: k.reshape((g * d,) + rest),
-            tm.hf[2]: v.reshape((g * d,) + rest)}
+    return {
+        tm.hf[0]: q.reshape((g * qpg * d,) + rest),
+        tm.hf[1]: k.reshape((g * d,) + rest),
+        tm.hf[2]: v.reshape((g * d,) + rest),
+    }
 
 
 def canonical_name(module_name: str, layer_offset: int = 0) -> str:
     """A live model's parameter name (either layer spec, stage-local layer index) → canonical."""
-    name = module_name[len("module."):] if module_name.startswith("module.") else module_name
+    name = module_name[len("module.") :] if module_name.startswith("module.") else module_name
     m = _LAYER_RE.match(name)
     if not m:
         return name

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..errors import InputFileError, OutputExistsError
 from ..model.description import ModelDescription
 from .mapping import MappingError, hf_shapes
 
@@ -34,7 +35,7 @@ class HFCheckpointReader:
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         if not self.dir.is_dir():
-            raise FileNotFoundError(f"HF model directory {self.dir} does not exist")
+            raise InputFileError(f"HF model directory {self.dir} does not exist")
         self.description = ModelDescription.from_hf_dir(self.dir)
         index = self.dir / WEIGHTS_INDEX
         if index.is_file():
@@ -43,12 +44,12 @@ class HFCheckpointReader:
             with safe_open(self.dir / SINGLE_WEIGHTS, framework="pt") as f:
                 weight_map = {k: SINGLE_WEIGHTS for k in f.keys()}
         else:
-            raise FileNotFoundError(f"{self.dir}: neither {WEIGHTS_INDEX} nor {SINGLE_WEIGHTS} found")
+            raise InputFileError(f"{self.dir}: neither {WEIGHTS_INDEX} nor {SINGLE_WEIGHTS} found")
         self.weight_map: Dict[str, str] = weight_map
         for fname in sorted(set(weight_map.values())):
             if not (self.dir / fname).is_file():
                 missing = [k for k, v in weight_map.items() if v == fname][:3]
-                raise FileNotFoundError(
+                raise InputFileError(
                     f"{self.dir}: shard file {fname} listed in {WEIGHTS_INDEX} is missing "
                     f"(holds e.g. {missing})"
                 )
@@ -64,7 +65,9 @@ class HFCheckpointReader:
             return torch.float32
         with safe_open(self.dir / self.weight_map[name], framework="pt") as h:
             code = h.get_slice(name).get_dtype()
-        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(code, torch.float32)
+        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(
+            code, torch.float32
+        )
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
@@ -83,8 +86,9 @@ class HFCheckpointReader:
                 raise MappingError(f"{self.dir}: tensor {name} ({desc.architecture}) is missing")
             got = self.shape(name)
             if got != tuple(shape):
-                raise MappingError(f"{self.dir}: {name}: shape {got}, expected {tuple(shape)} "
-                                   "(from config.json)")
+                raise MappingError(
+                    f"{self.dir}: {name}: shape {got}, expected {tuple(shape)} (from config.json)"
+                )
         extra = sorted(set(self.weight_map) - set(want) - {"lm_head.weight"})
         extra = [n for n in extra if not n.endswith("rotary_emb.inv_freq")]
         if extra:
@@ -102,7 +106,9 @@ class _AtomicDir:
 
     def __enter__(self) -> Path:
         if self.out.exists():
-            raise FileExistsError(f"output directory {self.out} already exists; refusing to overwrite")
+            raise OutputExistsError(
+                f"output directory {self.out} already exists; refusing to overwrite"
+            )
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.out.with_name(f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}")
         self.tmp.mkdir()
@@ -149,7 +155,10 @@ class HFShardedWriter:
             final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             os.replace(self.dir / tmp_name, self.dir / final)
             weight_map.update({k: final for k in names})
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": self.total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (self.dir / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 

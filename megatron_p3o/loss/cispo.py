@@ -1,6 +1,6 @@
 """CISPO: clipped importance-sampling weights, never clipped gradients.
 
-    loss_t = −sg(clip(ρ, 1−ε_low, 1+ε_high)) · A_t · ℓθ_t,  ρ = exp(ℓθ − ℓb); token-mean.
+loss_t = −sg(clip(ρ, 1−ε_low, 1+ε_high)) · A_t · ℓθ_t,  ρ = exp(ℓθ − ℓb); token-mean.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from .terms import LossInputs, StepStats, masked_log_ratio
 @dataclass(frozen=True)
 class CISPOConfig:
     """Attributes:
-        eps_low: lower bound ε_low of the IS weight (None = no lower bound, the default).
-        eps_high: upper bound ε_high (0.28).
+    eps_low: lower bound ε_low of the IS weight (None = no lower bound, the default).
+    eps_high: upper bound ε_high (0.28).
     """
 
     eps_low: Optional[float] = None
@@ -29,4 +29,6 @@ def cispo_terms(inp: LossInputs, stats: StepStats, h: CISPOConfig):
     rho = torch.exp(masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m)).detach()
     w = torch.clamp(rho, min=None if h.eps_low is None else 1.0 - h.eps_low, max=1.0 + h.eps_high)
     n_cap = ((rho > 1.0 + h.eps_high).float() * m).sum()
-    return (-(w * inp.advantages.detach() * inp.logprobs) * m).sum(), {"is_capped_frac": (n_cap, m.sum())}
+    return (-(w * inp.advantages.detach() * inp.logprobs) * m).sum(), {
+        "is_capped_frac": (n_cap, m.sum())
+    }

@@ -18,10 +18,10 @@ from .terms import LossInputs, StepStats, clip_fraction, masked_log_ratio
 @dataclass(frozen=True)
 class DecoupledPPOConfig:
     """Attributes:
-        eps: lower clip ε of u.
-        eps_high: upper clip (None = ε).
-        behav_weight_cap: c_w, cap on w = πprox/πb (None = no cap).
-        cap_mode: "drop" tokens above the cap, or "truncate" w to it.
+    eps: lower clip ε of u.
+    eps_high: upper clip (None = ε).
+    behav_weight_cap: c_w, cap on w = πprox/πb (None = no cap).
+    cap_mode: "drop" tokens above the cap, or "truncate" w to it.
     """
 
     eps: float = 0.2

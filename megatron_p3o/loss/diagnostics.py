@@ -31,7 +31,7 @@ def finalize_mismatch(result: dict) -> dict:
     against πb, reported for every objective (P3O's e_B is the same number, used in its loss)."""
     if "ratio_mean" in result and "ratio_sq_mean" in result:
         var = max(result["ratio_sq_mean"] - result["ratio_mean"] ** 2, 0.0)
-        result["ratio_std"] = var ** 0.5
+        result["ratio_std"] = var**0.5
         if result["ratio_sq_mean"] > 0:
             result["ratio_ess"] = result["ratio_mean"] ** 2 / result["ratio_sq_mean"]
     return result

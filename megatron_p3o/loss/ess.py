@@ -14,19 +14,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..errors import UserError
 from .terms import masked_log_ratio
 
 
-class NonFiniteLogprobError(ValueError):
+class NonFiniteLogprobError(UserError, ValueError):
     """A log-prob (or ESS statistic) is NaN/inf at a valid position."""
 
 
-class EmptyStepError(ValueError):
+class EmptyStepError(UserError, ValueError):
     """The optimizer step has no valid tokens, so e_B and the token-mean are undefined."""
 
 
-def check_finite(name: str, values: Tensor, mask: Tensor, sample_ids: Optional[Sequence] = None,
-                 policy: str = "error") -> Tensor:
+def check_finite(
+    name: str,
+    values: Tensor,
+    mask: Tensor,
+    sample_ids: Optional[Sequence] = None,
+    policy: str = "error",
+) -> Tensor:
     """Refuse (or mask) non-finite ``values [B, T]`` at valid positions.
 
     Returns the mask to use: unchanged for ``policy="error"`` (raises instead), with the bad
@@ -69,7 +75,9 @@ def ess_from_stats(stats: Tensor, what: str = "step") -> float:
     """e_B ∈ [1/N, 1] from ``[Σρ, Σρ², N]``; refuses an empty or non-finite step."""
     s1, s2, n = (float(x) for x in stats)
     if n <= 0:
-        raise EmptyStepError(f"the {what} has no valid tokens: e_B and the token-mean are undefined")
+        raise EmptyStepError(
+            f"the {what} has no valid tokens: e_B and the token-mean are undefined"
+        )
     if not all(map(lambda x: x == x and abs(x) != float("inf"), (s1, s2))) or s2 <= 0:
         raise NonFiniteLogprobError(
             f"ESS statistics of the {what} are not finite (Σρ={s1}, Σρ²={s2}, N={n:.0f}): "

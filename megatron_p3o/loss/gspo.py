@@ -11,16 +11,23 @@ from dataclasses import dataclass
 
 import torch
 
-from .terms import (LossInputs, StepStats, clip_fraction, clipped_surrogate, masked_log_ratio,
-                    seq_lengths, seq_mean_of_token_terms)
+from .terms import (
+    LossInputs,
+    StepStats,
+    clip_fraction,
+    clipped_surrogate,
+    masked_log_ratio,
+    seq_lengths,
+    seq_mean_of_token_terms,
+)
 
 
 @dataclass(frozen=True)
 class GSPOConfig:
     """Attributes:
-        eps_low: lower clip of the sequence ratio (paper: 3e-4).
-        eps_high: upper clip of the sequence ratio (paper: 4e-4).
-        token_level: GSPO-token (per-token advantages) instead of GSPO.
+    eps_low: lower clip of the sequence ratio (paper: 3e-4).
+    eps_high: upper clip of the sequence ratio (paper: 4e-4).
+    token_level: GSPO-token (per-token advantages) instead of GSPO.
     """
 
     eps_low: float = 3e-4

@@ -45,9 +45,17 @@ def _block_rows(n: int, real: int, chunk_size: Optional[int]) -> int:
 
 class _VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, tp_group, temperature: float,
-                vocab_size: Optional[int], chunk_size: Optional[int], with_entropy: bool,
-                inplace: bool):
+    def forward(
+        ctx,
+        logits: Tensor,
+        target: Tensor,
+        tp_group,
+        temperature: float,
+        vocab_size: Optional[int],
+        chunk_size: Optional[int],
+        with_entropy: bool,
+        inplace: bool,
+    ):
         v_local = logits.shape[-1]
         lead = logits.shape[:-1]
         flat = logits.reshape(-1, v_local)
@@ -61,8 +69,11 @@ class _VocabParallelLogprob(torch.autograd.Function):
         # the fp32 logits' own storage can hold exp(z − m) for backward (training path)
         keep_exp = inplace and flat.dtype == torch.float32 and flat.is_contiguous()
         rows = _block_rows(n, real, chunk_size)
-        scratch = None if keep_exp else torch.empty(rows, max(real, 1), dtype=torch.float32,
-                                                    device=logits.device)
+        scratch = (
+            None
+            if keep_exp
+            else torch.empty(rows, max(real, 1), dtype=torch.float32, device=logits.device)
+        )
         m_all = torch.empty(n, dtype=torch.float32, device=logits.device)
         stats = torch.empty(3 if with_entropy else 2, n, dtype=torch.float64, device=logits.device)
         for s in range(0, n, rows):
@@ -70,11 +81,17 @@ class _VocabParallelLogprob(torch.autograd.Function):
             x = flat[s:e, :real]
             # the target logit in float64 straight from the input, before any rounding
             if real > 0:
-                stats[1, s:e] = torch.where(in_shard[s:e], x.gather(1, local_t[s:e, None]).squeeze(1).double(),
-                                            torch.zeros(e - s, dtype=torch.float64)) * inv_t
+                stats[1, s:e] = (
+                    torch.where(
+                        in_shard[s:e],
+                        x.gather(1, local_t[s:e, None]).squeeze(1).double(),
+                        torch.zeros(e - s, dtype=torch.float64),
+                    )
+                    * inv_t
+                )
             else:  # a shard of padding columns only (tiny vocabulary, large TP)
                 stats[1, s:e] = 0.0
-            w = x if keep_exp else scratch[:e - s, :real]
+            w = x if keep_exp else scratch[: e - s, :real]
             if w is not x:
                 w.copy_(x)
             if inv_t != 1.0:
@@ -90,7 +107,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             if keep_exp:
                 w = x  # already scaled by 1/T in the first pass
             else:
-                w = scratch[:e - s, :real].copy_(x)
+                w = scratch[: e - s, :real].copy_(x)
                 if inv_t != 1.0:
                     w.mul_(inv_t)
             w.sub_(m_all[s:e, None])
@@ -106,8 +123,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
         lse = m_all.double() + log_s
         logp = (stats[1] - lse).float()
         ent = (log_s - stats[2] / stats[0]).float() if with_entropy else None
-        ctx.save_for_backward(logits, local_t, in_shard, m_all, log_s.float(),
-                              ent if with_entropy else m_all)
+        ctx.save_for_backward(
+            logits, local_t, in_shard, m_all, log_s.float(), ent if with_entropy else m_all
+        )
         ctx.cfg = (inv_t, real, rows, with_entropy, keep_exp, inplace)
         return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)
 
@@ -131,7 +149,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         lse = m_all + log_s
         for s in range(0, n, rows):
             e = min(n, s + rows)
-            out = grad[s:e, :real] if direct else scratch[:e - s, :real]
+            out = grad[s:e, :real] if direct else scratch[: e - s, :real]
             if keep_exp:
                 # storage holds exp(z − m): p = e^{z−m} / S
                 p = out
@@ -198,6 +216,12 @@ def vocab_parallel_logprobs(
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
     return _VocabParallelLogprob.apply(
-        logits, target_ids.long(), tp_group, float(temperature), vocab_size, chunk_size,
-        with_entropy, inplace_backward,
+        logits,
+        target_ids.long(),
+        tp_group,
+        float(temperature),
+        vocab_size,
+        chunk_size,
+        with_entropy,
+        inplace_backward,
     )

@@ -7,9 +7,8 @@ No ratio, no clip; the rollout policy is refreshed every L optimizer steps (trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,8 +19,8 @@ from .terms import LossInputs, StepStats, masked_log_ratio
 @dataclass(frozen=True)
 class OAPLConfig:
     """Attributes:
-        beta1: temperature of the soft value V* (1.0).
-        beta2: scale of the sequence log-ratio (1e-3).
+    beta1: temperature of the soft value V* (1.0).
+    beta2: scale of the sequence log-ratio (1e-3).
     """
 
     beta1: float = 1.0
@@ -49,4 +48,6 @@ def oapl_terms(inp: LossInputs, stats: StepStats, h: OAPLConfig):
         a_star = (inp.advantages * m).sum(-1) / m.sum(-1).clamp_min(1)
     seq_lr = masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m).sum(-1)
     resid = h.beta2 * seq_lr - a_star.detach()
-    return (resid * resid * has).sum(), {"oapl_abs_residual": ((resid.abs() * has).sum().detach(), has.sum())}
+    return (resid * resid * has).sum(), {
+        "oapl_abs_residual": ((resid.abs() * has).sum().detach(), has.sum())
+    }

@@ -1,16 +1,15 @@
 """P4O (FeynRL): P3O with two anchors, the behaviour policy and the proximal policy.
 
-    e = min(e_b, e_prox)     (both global ESS of the step: πθ/πb and πθ/πprox)
-    loss_t = −sg(min(ρ_t, e)) · A_t · ℓθ_t + (1 − e) · k3(ℓθ_t, ℓmix_t)
-    ℓmix = logsumexp(ln(w_b+δ) + ℓb, ln(w_p+δ) + ℓprox) − ln(w_b + w_p + 2δ),
-    w_b = 1 − e_b, w_p = 1 − e_prox; the trust-region term is skipped when 1 − e < 1e-6.
+e = min(e_b, e_prox)     (both global ESS of the step: πθ/πb and πθ/πprox)
+loss_t = −sg(min(ρ_t, e)) · A_t · ℓθ_t + (1 − e) · k3(ℓθ_t, ℓmix_t)
+ℓmix = logsumexp(ln(w_b+δ) + ℓb, ln(w_p+δ) + ℓprox) − ln(w_b + w_p + 2δ),
+w_b = 1 − e_b, w_p = 1 − e_prox; the trust-region term is skipped when 1 − e < 1e-6.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -20,8 +19,8 @@ from .terms import LossInputs, StepStats, k3, masked_log_ratio
 @dataclass(frozen=True)
 class P4OConfig:
     """Attributes:
-        delta: δ, smoothing of the mixture weights.
-        k3_clamp: clamp inside exp() of k3.
+    delta: δ, smoothing of the mixture weights.
+    k3_clamp: clamp inside exp() of k3.
     """
 
     delta: float = 1e-6

@@ -13,8 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .terms import (LossInputs, StepStats, clip_fraction, clipped_surrogate, k3,
-                    masked_log_ratio, seq_mean_of_token_terms)
+from .terms import (
+    LossInputs,
+    StepStats,
+    clip_fraction,
+    clipped_surrogate,
+    k3,
+    masked_log_ratio,
+    seq_mean_of_token_terms,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,9 @@ class ClipConfig:
 
     def __post_init__(self):
         if self.aggregation not in ("token_mean", "seq_mean_token_mean"):
-            raise ValueError(f"aggregation={self.aggregation!r}: use token_mean or seq_mean_token_mean")
+            raise ValueError(
+                f"aggregation={self.aggregation!r}: use token_mean or seq_mean_token_mean"
+            )
         if self.mis_level not in ("token", "seq_product", "seq_geomean"):
             raise ValueError(f"mis_level={self.mis_level!r}: use token, seq_product or seq_geomean")
         if (self.mis_low is None) != (self.mis_high is None):
@@ -83,9 +92,12 @@ def clip_terms(inp: LossInputs, stats: StepStats, h: ClipConfig):
 
 
 def dapo_overlong_reward(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
-    """DAPO's soft overlong shaping ``R_len [B]``: 0 up to L_max − L_cache, linear to −1 at L_max."""
+    """DAPO's soft overlong shaping ``R_len [B]``: 0 up to L_max − L_cache, then linear to −1
+    at L_max."""
     safe = max_len - cache_len
     pen = (safe - lengths.float()) / cache_len
-    return torch.where(lengths <= safe, torch.zeros_like(pen),
-                       torch.where(lengths <= max_len, pen, -torch.ones_like(pen)))
-
+    return torch.where(
+        lengths <= safe,
+        torch.zeros_like(pen),
+        torch.where(lengths <= max_len, pen, -torch.ones_like(pen)),
+    )

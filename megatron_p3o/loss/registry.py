@@ -48,11 +48,17 @@ OBJECTIVES: Dict[str, ObjectiveSpec] = {
     "grpo": ObjectiveSpec(ClipConfig, clip_terms, defaults={"aggregation": "seq_mean_token_mean"}),
     "dapo": ObjectiveSpec(ClipConfig, clip_terms, defaults={"eps_low": 0.2, "eps_high": 0.28}),
     "tis": ObjectiveSpec(ClipConfig, clip_terms, needs=("old",), defaults={"tis_cap": 2.0}),
-    "mis": ObjectiveSpec(ClipConfig, clip_terms, needs=("old",),
-                         defaults={"mis_low": 0.5, "mis_high": 2.0}),
+    "mis": ObjectiveSpec(
+        ClipConfig, clip_terms, needs=("old",), defaults={"mis_low": 0.5, "mis_high": 2.0}
+    ),
     "gspo": ObjectiveSpec(GSPOConfig, gspo_terms, per_sequence=True, whole_sequences=True),
-    "gspo_token": ObjectiveSpec(GSPOConfig, gspo_terms, per_sequence=True, whole_sequences=True,
-                                defaults={"token_level": True}),
+    "gspo_token": ObjectiveSpec(
+        GSPOConfig,
+        gspo_terms,
+        per_sequence=True,
+        whole_sequences=True,
+        defaults={"token_level": True},
+    ),
     "cispo": ObjectiveSpec(CISPOConfig, cispo_terms),
     "decoupled_ppo": ObjectiveSpec(DecoupledPPOConfig, decoupled_ppo_terms, needs=("old",)),
     "oapl": ObjectiveSpec(OAPLConfig, oapl_terms, per_sequence=True, whole_sequences=True),
@@ -68,7 +74,10 @@ class Objective:
     @property
     def per_sequence(self) -> bool:
         """True when the loss is a mean over sequences (else over tokens)."""
-        return self.spec.per_sequence or getattr(self.hyper, "aggregation", "") == "seq_mean_token_mean"
+        return (
+            self.spec.per_sequence
+            or getattr(self.hyper, "aggregation", "") == "seq_mean_token_mean"
+        )
 
     @property
     def needs_ess(self) -> bool:
@@ -114,40 +123,69 @@ def build_objective(name: str, **hyper) -> Objective:
     spec = OBJECTIVES.get(name)
     if spec is None:
         near = difflib.get_close_matches(name, OBJECTIVES, n=1)
-        raise ValueError(f"unknown objective {name!r}{f' (did you mean {near[0]!r}?)' if near else ''}; "
-                         f"known: {sorted(OBJECTIVES)}")
+        raise ValueError(
+            f"unknown objective {name!r}{f' (did you mean {near[0]!r}?)' if near else ''}; "
+            f"known: {sorted(OBJECTIVES)}"
+        )
     known = {f.name for f in dataclasses.fields(spec.config_cls)}
     for key in hyper:
         if key not in known:
             near = difflib.get_close_matches(key, known, n=1)
-            raise ValueError(f"objective {name!r}: unknown hyper-parameter {key!r}"
-                             f"{f' (did you mean {near[0]!r}?)' if near else ''}; known: {sorted(known)}")
+            raise ValueError(
+                f"objective {name!r}: unknown hyper-parameter {key!r}"
+                f"{f' (did you mean {near[0]!r}?)' if near else ''}; known: {sorted(known)}"
+            )
     return Objective(name, spec, spec.config_cls(**{**spec.defaults, **hyper}))
 
 
 def broadcast_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     """Per-sequence ``[B]`` advantages → per-token ``[B, T]``; ``[B, T]`` passes through."""
     if advantages.dim() == 1:
-        return advantages[:, None].expand_as(mask).to(torch.promote_types(advantages.dtype, torch.float32))
+        return (
+            advantages[:, None]
+            .expand_as(mask)
+            .to(torch.promote_types(advantages.dtype, torch.float32))
+        )
     if advantages.shape != mask.shape:
-        raise ValueError(f"advantages {tuple(advantages.shape)} match neither [B] nor mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} match neither [B] nor mask {tuple(mask.shape)}"
+        )
     return advantages
 
 
 def step_stats(objective: Objective, inp: LossInputs) -> StepStats:
     """Step statistics of a batch that *is* the whole step (single process)."""
     m = inp.mask
-    ess = ess_from_stats(ess_stats(inp.logprobs, inp.behavior_logprobs, m)) if objective.needs_ess else None
-    ess_p = (ess_from_stats(ess_stats(inp.logprobs, inp.old_logprobs, m), "step (prox)")
-             if objective.needs_ess_prox else None)
-    return StepStats(n_tokens=float(m.sum()), n_seqs=float((m.sum(-1) > 0).sum()), ess=ess, ess_prox=ess_p)
+    ess = (
+        ess_from_stats(ess_stats(inp.logprobs, inp.behavior_logprobs, m))
+        if objective.needs_ess
+        else None
+    )
+    ess_p = (
+        ess_from_stats(ess_stats(inp.logprobs, inp.old_logprobs, m), "step (prox)")
+        if objective.needs_ess_prox
+        else None
+    )
+    return StepStats(
+        n_tokens=float(m.sum()), n_seqs=float((m.sum(-1) > 0).sum()), ess=ess, ess_prox=ess_p
+    )
 
 
-def policy_loss(name: str, logprobs: Tensor, behavior_logprobs: Tensor, advantages: Tensor,
-                mask: Tensor, *, old_logprobs: Optional[Tensor] = None,
-                ref_logprobs: Optional[Tensor] = None, rewards: Optional[Tensor] = None,
-                group_ids: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
-                sample_ids=None, **hyper) -> Tuple[Tensor, Dict[str, float]]:
+def policy_loss(
+    name: str,
+    logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    rewards: Optional[Tensor] = None,
+    group_ids: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    sample_ids=None,
+    **hyper,
+) -> Tuple[Tensor, Dict[str, float]]:
     """Loss of one optimizer step held by one process.
 
     Args:
@@ -159,14 +197,24 @@ def policy_loss(name: str, logprobs: Tensor, behavior_logprobs: Tensor, advantag
         **hyper: the objective's hyper-parameters.
 
     Returns:
-        ``(loss, metrics)``: the scalar to minimise and floats (``metrics['ess']`` = e_B where used).
+        ``(loss, metrics)``: the scalar to minimise and floats (``metrics['ess']`` = e_B where
+        used).
     """
     obj = build_objective(name, **hyper)
     mask = mask.to(torch.float32)
     check_finite("behaviour log-prob ℓb", behavior_logprobs, mask, sample_ids)
     check_finite("trainer log-prob ℓθ", logprobs.detach(), mask, sample_ids)
-    inp = LossInputs(logprobs, behavior_logprobs, broadcast_advantages(advantages, mask), mask,
-                     old_logprobs, ref_logprobs, entropy, rewards, group_ids)
+    inp = LossInputs(
+        logprobs,
+        behavior_logprobs,
+        broadcast_advantages(advantages, mask),
+        mask,
+        old_logprobs,
+        ref_logprobs,
+        entropy,
+        rewards,
+        group_ids,
+    )
     obj.check_inputs(inp)
     stats = step_stats(obj, inp)
     total, pairs = obj.terms(inp, stats)

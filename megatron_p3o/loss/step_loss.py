@@ -39,13 +39,13 @@ from .terms import LossInputs, StepStats
 @dataclass(frozen=True)
 class StepLossConfig:
     """Attributes:
-        temperature: sampling temperature; ℓθ is computed from logits / T.
-        ess_scope: "step" (exact, one extra no-grad forward) or "microbatch" (FeynRL).
-        nonfinite: "error" (default) or "mask" (drop and count) for NaN/inf log-probs.
-        logprob_chunk: tokens per chunk in the log-prob kernel (None = all).
-        log_entropy: compute the policy entropy for metrics (one more reduction).
-        prepass_fuse: micro-batches concatenated into one no-grad forward of the ESS pre-pass
-            (fewer, larger forwards; costs k micro-batches' logits at once, no activations).
+    temperature: sampling temperature; ℓθ is computed from logits / T.
+    ess_scope: "step" (exact, one extra no-grad forward) or "microbatch" (FeynRL).
+    nonfinite: "error" (default) or "mask" (drop and count) for NaN/inf log-probs.
+    logprob_chunk: tokens per chunk in the log-prob kernel (None = all).
+    log_entropy: compute the policy entropy for metrics (one more reduction).
+    prepass_fuse: micro-batches concatenated into one no-grad forward of the ESS pre-pass
+        (fewer, larger forwards; costs k micro-batches' logits at once, no activations).
     """
 
     temperature: float = 1.0
@@ -67,8 +67,13 @@ class StepLossConfig:
 
 
 class StepLoss:
-    def __init__(self, objective: Objective, groups: ParallelGroups, vocab_size: int,
-                 cfg: StepLossConfig = StepLossConfig()):
+    def __init__(
+        self,
+        objective: Objective,
+        groups: ParallelGroups,
+        vocab_size: int,
+        cfg: StepLossConfig = StepLossConfig(),
+    ):
         if objective.spec.whole_sequences and groups.layout.cp > 1:
             raise ValueError(
                 f"objective {objective.name!r} is nonlinear in each sequence's token sum, and "
@@ -85,8 +90,12 @@ class StepLoss:
         for mb in microbatches:
             ids = mb.get("sample_index")
             try:
-                check_finite("behaviour log-prob ℓb", mb["behavior_logprobs"], mb["loss_mask"].float(),
-                             ids.tolist() if ids is not None else None)
+                check_finite(
+                    "behaviour log-prob ℓb",
+                    mb["behavior_logprobs"],
+                    mb["loss_mask"].float(),
+                    ids.tolist() if ids is not None else None,
+                )
             except ValueError as e:
                 msg = str(e)
                 break
@@ -103,8 +112,11 @@ class StepLoss:
             # World group: every rank reports the same, first, offending sample.
             dist.all_gather_object(msgs, msg)
             first = next((r, m) for r, m in enumerate(msgs) if m)
-            raise NonFiniteLogprobError(first[1] if first[0] == dist.get_rank()
-                                        else f"{first[1]} (found on rank {first[0]})")
+            raise NonFiniteLogprobError(
+                first[1]
+                if first[0] == dist.get_rank()
+                else f"{first[1]} (found on rank {first[0]})"
+            )
 
     # -- stage 1: counts -------------------------------------------------------------------
     def _global_counts(self, microbatches: List[MicroBatch]) -> tuple:
@@ -127,25 +139,39 @@ class StepLoss:
     def _logprobs(self, batch, logits, entropy: bool = True):
         # the logits feed only this loss: their storage is reused for the gradient
         lp, ent = vocab_parallel_logprobs(
-            logits, batch["targets"], self.groups.tp, temperature=self.cfg.temperature,
-            chunk_size=self.cfg.logprob_chunk, vocab_size=self.vocab_size,
+            logits,
+            batch["targets"],
+            self.groups.tp,
+            temperature=self.cfg.temperature,
+            chunk_size=self.cfg.logprob_chunk,
+            vocab_size=self.vocab_size,
             with_entropy=entropy and (self.cfg.log_entropy or self.objective.needs_entropy),
-            inplace_backward=True)
+            inplace_backward=True,
+        )
         mask = batch["loss_mask"].to(torch.float32)
         ids = batch.get("sample_index")
         ids = ids.tolist() if ids is not None else None
         if self.cfg.nonfinite == "mask":  # "error" was checked once, on every rank, before the step
-            mask = check_finite("behaviour log-prob ℓb", batch["behavior_logprobs"], mask, ids, "mask")
+            mask = check_finite(
+                "behaviour log-prob ℓb", batch["behavior_logprobs"], mask, ids, "mask"
+            )
         mask = check_finite("trainer log-prob ℓθ", lp.detach(), mask, ids, self.cfg.nonfinite)
         return lp, ent, mask
 
     def _inputs(self, batch, lp, ent, mask) -> LossInputs:
         return LossInputs(
-            logprobs=lp, behavior_logprobs=batch["behavior_logprobs"], advantages=batch["advantages"],
-            mask=mask, old_logprobs=batch.get("old_logprobs"), ref_logprobs=batch.get("ref_logprobs"),
+            logprobs=lp,
+            behavior_logprobs=batch["behavior_logprobs"],
+            advantages=batch["advantages"],
+            mask=mask,
+            old_logprobs=batch.get("old_logprobs"),
+            ref_logprobs=batch.get("ref_logprobs"),
             # Group baselines (GRPO's, OAPL's V*) need whole prompt groups, which micro-batches and
             # DP ranks split: they are computed in the advantage stage and arrive in "advantages".
-            entropy=ent, rewards=None, group_ids=None, lengths=batch.get("seq_len"),
+            entropy=ent,
+            rewards=None,
+            group_ids=None,
+            lengths=batch.get("seq_len"),
         )
 
     def _ess_stats(self, inp: LossInputs) -> torch.Tensor:
@@ -171,7 +197,7 @@ class StepLoss:
             return torch.zeros(()), 0, {}
 
         k = self.cfg.prepass_fuse
-        fused = [_concat(microbatches[i:i + k]) for i in range(0, len(microbatches), k)]
+        fused = [_concat(microbatches[i : i + k]) for i in range(0, len(microbatches), k)]
         if len({tuple(mb["tokens"].shape) for mb in fused}) > 1:
             fused = microbatches  # a ragged last group: keep the schedule's shapes uniform
         with torch.no_grad():
@@ -184,8 +210,10 @@ class StepLoss:
 
     def _broadcast_from_last_stage(self, values: Optional[tuple]) -> tuple:
         """Every pipeline stage learns e_B (for logging and checks)."""
-        t = torch.tensor([float("nan") if v is None else v for v in (values or (None, None))],
-                         dtype=torch.float64)
+        t = torch.tensor(
+            [float("nan") if v is None else v for v in (values or (None, None))],
+            dtype=torch.float64,
+        )
         if self.groups.layout.pp > 1:
             # PP group: only the last stage computed log-probs; share e_B with earlier stages.
             dist.broadcast(t, src=self.groups.last_stage_global_rank(), group=self.groups.pp)
@@ -197,15 +225,22 @@ class StepLoss:
         micro-batch, for the objectives that ratio against πold/πprox (decoupled PPO, TIS, MIS,
         P4O). Computed on the last pipeline stage, where the loss runs."""
         if self.groups.layout.cp > 1:
-            raise NotImplementedError("recomputing ℓold under context parallelism is not supported yet "
-                                      f"(objective needs it; cp={self.groups.layout.cp})")
+            raise NotImplementedError(
+                "recomputing ℓold under context parallelism is not supported yet "
+                f"(objective needs it; cp={self.groups.layout.cp})"
+            )
         out: List[torch.Tensor] = []
 
         def loss_fn(batch, logits):
             with torch.no_grad():
                 lp, _ = vocab_parallel_logprobs(
-                    logits, batch["targets"], self.groups.tp, temperature=self.cfg.temperature,
-                    chunk_size=self.cfg.logprob_chunk, vocab_size=self.vocab_size)
+                    logits,
+                    batch["targets"],
+                    self.groups.tp,
+                    temperature=self.cfg.temperature,
+                    chunk_size=self.cfg.logprob_chunk,
+                    vocab_size=self.vocab_size,
+                )
                 out.append(lp.float() * batch["loss_mask"].to(torch.float32))
             return torch.zeros(()), 0, {}
 
@@ -216,7 +251,9 @@ class StepLoss:
                 mb["old_logprobs"] = lp
 
     # -- stage 3: gradient pass --------------------------------------------------------------
-    def run(self, chunks, microbatches: List[MicroBatch], forward_only: bool = False) -> Dict[str, float]:
+    def run(
+        self, chunks, microbatches: List[MicroBatch], forward_only: bool = False
+    ) -> Dict[str, float]:
         """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step."""
         for mb in microbatches:
             mb.setdefault("seq_len", mb["loss_mask"].sum(-1))
@@ -237,8 +274,9 @@ class StepLoss:
             e, e_p = ess, ess_p
             if self.objective.needs_ess and not step_scope:
                 # DP×CP group: micro-batch k of every data/context rank forms one ESS pool.
-                e, e_p = self._ess_values(all_reduce_stats(self._ess_stats(inp), self.groups.dp_cp),
-                                          "micro-batch")
+                e, e_p = self._ess_values(
+                    all_reduce_stats(self._ess_stats(inp), self.groups.dp_cp), "micro-batch"
+                )
                 micro_ess.append(e)
             stats = StepStats(n_tokens=n_tok, n_seqs=n_seq, ess=e, ess_prox=e_p)
             total, pairs = self.objective.terms(inp, stats)
@@ -256,7 +294,9 @@ class StepLoss:
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
         if self.groups.is_last_stage():
             res = finalize_mismatch(acc.reduce(self.groups.dp_cp).result())
-            res["log_ratio_hist"] = acc.coarse_hist("ratio", bins=200)  # 0.02-wide bins, log ρ ∈ [−2, 2]
+            res["log_ratio_hist"] = acc.coarse_hist(
+                "ratio", bins=200
+            )  # 0.02-wide bins, log ρ ∈ [−2, 2]
             res["loss"] = acc.sums["loss"][0]  # Σ over micro-batches and DP×CP ranks
             res["nonfinite_masked"] = acc.sums["nonfinite_masked"][0]
             metrics.update(res)

@@ -80,7 +80,9 @@ def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: floa
     return -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
 
 
-def clip_fraction(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, mask: Tensor) -> Tensor:
+def clip_fraction(
+    ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, mask: Tensor
+) -> Tensor:
     """Count of tokens where the clipped branch is active (its gradient is zero)."""
     clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
     return (clipped.float() * mask).sum()
@@ -92,7 +94,9 @@ def seq_lengths(mask: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
     return n.clamp_min(1.0)
 
 
-def seq_mean_of_token_terms(terms: Tensor, mask: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
+def seq_mean_of_token_terms(
+    terms: Tensor, mask: Tensor, lengths: Optional[Tensor] = None
+) -> Tensor:
     """Σ_i (Σ_t terms_it / |y_i|): the numerator of a sequence-mean of token-means.
 
     Linear in the tokens, so it splits over context-parallel ranks when ``lengths`` holds the

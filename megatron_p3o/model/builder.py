@@ -60,11 +60,14 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     lay = groups.layout
-    lay.check_model(num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads)
+    lay.check_model(
+        num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads
+    )
     lay.check_sequence(opts.seq_length)
     if desc.sliding_window is not None and opts.seq_length > desc.sliding_window:
         raise LayoutError(
-            f"seq_length={opts.seq_length} exceeds the model's sliding_window={desc.sliding_window}; "
+            f"seq_length={opts.seq_length} exceeds the model's "
+            f"sliding_window={desc.sliding_window}; "
             "sliding-window attention is not implemented, keep sequences within the window"
         )
     use_te = resolve_use_te(opts)
@@ -126,8 +129,9 @@ def resolve_use_te(opts: BuildOptions) -> bool:
     return opts.use_te
 
 
-def build_model(desc: ModelDescription, groups: ParallelGroups,
-                opts: BuildOptions = BuildOptions()) -> List[torch.nn.Module]:
+def build_model(
+    desc: ModelDescription, groups: ParallelGroups, opts: BuildOptions = BuildOptions()
+) -> List[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage).
 
     Returns plain ``GPTModel`` modules (not DDP-wrapped). Each chunk has ``vp_stage`` set and
@@ -178,7 +182,7 @@ def _apply_llama3_rope(model, desc: ModelDescription) -> None:
     rot = model.rotary_pos_emb
     dim = desc.head_dim
     base = torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim
-    inv = 1.0 / (desc.rope_theta ** base)
+    inv = 1.0 / (desc.rope_theta**base)
     rot.inv_freq = rot._apply_scaling(
         inv,
         factor=float(rs["factor"]),

@@ -15,10 +15,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -39,11 +38,12 @@ class _AllGatherSeq(torch.autograd.Function):
         dist.all_reduce(grad, group=ctx.group)
         n = grad.shape[0] // ctx.group.size()
         r = ctx.group.rank()
-        return grad[r * n:(r + 1) * n], None
+        return grad[r * n : (r + 1) * n], None
 
 
 def cp_chunk_positions(local_len: int, cp_rank: int, cp_size: int) -> Tensor:
-    """Global positions ``[local_len]`` of the tokens CP rank ``cp_rank`` holds (chunks r, 2cp−1−r)."""
+    """Global positions ``[local_len]`` of the tokens CP rank ``cp_rank`` holds (chunks r and
+    2cp−1−r)."""
     c = local_len // 2
     first = torch.arange(cp_rank * c, (cp_rank + 1) * c)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
@@ -56,20 +56,40 @@ class CPAllGatherAttention(MegatronModule):
     Shapes: query ``[s/cp, b, n/tp, d]``, key/value ``[s/cp, b, g/tp, d]`` → ``[s/cp, b, n·d/tp]``.
     """
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
-            raise ValueError("CPAllGatherAttention (CPU context parallelism) needs attention_dropout=0")
+            raise ValueError(
+                "CPAllGatherAttention (CPU context parallelism) needs attention_dropout=0"
+            )
         if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"CPAllGatherAttention supports causal masks only, got {attn_mask_type}")
+            raise ValueError(
+                f"CPAllGatherAttention supports causal masks only, got {attn_mask_type}"
+            )
         self.cp_group = pg_collection.cp
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.window = getattr(config, "window_size", None)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("CPAllGatherAttention: packed sequences / attention bias")
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import InputFileError, UserError
+
 # architectures we can map, and the family that decides the layout details
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -22,7 +24,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """The HF config describes a model this project cannot build or convert."""
 
 
@@ -91,13 +93,17 @@ class ModelDescription:
         family = SUPPORTED_ARCHITECTURES[arch]
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
+            raise UnsupportedModelError(
+                f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported"
+            )
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
         heads = int(cfg["num_attention_heads"])
         # transformers < 5 writes rope_scaling + rope_theta; >= 5 writes rope_parameters
         rope_params = dict(cfg.get("rope_parameters") or {})
-        rope_scaling = cfg.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        rope_scaling = cfg.get("rope_scaling") or {
+            k: v for k, v in rope_params.items() if k != "rope_theta"
+        }
         if rope_scaling:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if kind == "default":
@@ -107,7 +113,11 @@ class ModelDescription:
                     f"{source}: rope_scaling type {kind!r} is not supported (llama3, linear are)"
                 )
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
+        window = (
+            cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", family == "mistral")
+            else None
+        )
         if family == "qwen2":
             qkv_bias = True
         else:
@@ -139,7 +149,7 @@ class ModelDescription:
     def from_hf_dir(cls, path: str | Path) -> "ModelDescription":
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
-            raise FileNotFoundError(f"no config.json in HF model directory {path}")
+            raise InputFileError(f"no config.json in HF model directory {path}")
         return cls.from_hf_config(json.loads(cfg_path.read_text()), source=str(cfg_path))
 
     def to_dict(self) -> dict:

@@ -60,9 +60,14 @@ def _call_loss(loss_fn: LossFn, batch: MicroBatch, logits: Tensor):
     return loss, torch.as_tensor(num_tokens, dtype=torch.int), metrics
 
 
-def forward_backward(chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
-                     microbatches: List[MicroBatch], loss_fn: LossFn, *,
-                     forward_only: bool = False) -> List[dict]:
+def forward_backward(
+    chunks: Sequence[torch.nn.Module],
+    groups: ParallelGroups,
+    microbatches: List[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+) -> List[dict]:
     """Run every micro-batch of one step through the model chunks.
 
     The loss function must return the micro-batch's share of the *step* loss (already divided by

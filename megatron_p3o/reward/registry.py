@@ -10,10 +10,12 @@ import importlib
 import math
 from typing import Callable, List, Sequence
 
+from ..errors import UserError
+
 RewardFn = Callable[[str, str], float]
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     pass
 
 
@@ -41,15 +43,17 @@ def build_reward(kind: str, function: str = "") -> RewardFn:
     raise RewardError(f"reward.kind={kind!r}; choose math_verify, exact_match or python")
 
 
-def score_samples(fn: RewardFn, completions: Sequence[str], answers: Sequence[str],
-                  group_ids: Sequence[int]) -> List[float]:
+def score_samples(
+    fn: RewardFn, completions: Sequence[str], answers: Sequence[str], group_ids: Sequence[int]
+) -> List[float]:
     out = []
     for i, (c, a, g) in enumerate(zip(completions, answers, group_ids)):
         try:
             r = float(fn(c, a))
         except Exception as e:  # noqa: BLE001 - re-raised with the sample named
-            raise RewardError(f"reward function failed on sample {i} (prompt group {g}): "
-                              f"{type(e).__name__}: {e}") from e
+            raise RewardError(
+                f"reward function failed on sample {i} (prompt group {g}): {type(e).__name__}: {e}"
+            ) from e
         if not math.isfinite(r):
             raise RewardError(f"reward function returned {r} for sample {i} (prompt group {g})")
         out.append(r)

@@ -5,8 +5,9 @@ server's weights must be updated once, not once per rank. So the *leader* of eac
 TP = PP = CP = 0 rank) hands its prompts to global rank 0, which sends them all to the server in
 one concurrent batch and hands each DP rank its samples back; the other model-parallel ranks get
 a copy of their leader's samples (they need identical batches). Every call is a collective over
-a gloo group of its own (``parallel.new_object_group``), made in the same order on every rank (the rollout scheduler's
-batches and dynamic-sampling rounds), so it also works from the scheduler's producer thread.
+a gloo group of its own (``parallel.new_object_group``), made in the same order on every rank
+(the rollout scheduler's batches and dynamic-sampling rounds), so it also works from the
+scheduler's producer thread.
 
 Weights: the trainer streams full HF tensors to rank 0 after each sync point
 (:func:`megatron_p3o.weight_sync.stream.iter_hf_tensors_to_rank0`); rank 0 pushes them with the
@@ -31,11 +32,22 @@ from .engine import Bucket, RolloutEngine
 class CentralEngine(RolloutEngine):
     """``inner`` exists on global rank 0 only (None elsewhere)."""
 
-    def __init__(self, inner: Optional[RolloutEngine], groups: ParallelGroups, objects: dist.ProcessGroup,
-                 weight_sync: str = "nccl", sync_dir: str = "", hf_config: Optional[dict] = None):
+    def __init__(
+        self,
+        inner: Optional[RolloutEngine],
+        groups: ParallelGroups,
+        objects: dist.ProcessGroup,
+        weight_sync: str = "nccl",
+        sync_dir: str = "",
+        hf_config: Optional[dict] = None,
+    ):
         if (groups.rank == 0) != (inner is not None):
             raise ValueError("CentralEngine: the server engine lives on global rank 0 only")
-        self.inner, self.groups, self.objects = inner, groups, objects  # objects: parallel.new_object_group()
+        self.inner, self.groups, self.objects = (
+            inner,
+            groups,
+            objects,
+        )  # objects: parallel.new_object_group()
         self.weight_sync, self.sync_dir, self.hf_config = weight_sync, sync_dir, hf_config
         self.name = f"central({inner.name if inner else 'remote'})"
         self.weight_version = inner.weight_version if inner is not None else 0
@@ -43,7 +55,9 @@ class CentralEngine(RolloutEngine):
         self.leader = g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0
 
     # -- collectives over the gloo objects group ------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> List[Sample]:
         g = self.groups
         mine = (g.dp_rank, [list(p) for p in prompts] if self.leader else None)
         gathered: Optional[list] = [None] * g.world_size if g.rank == 0 else None
@@ -114,7 +128,11 @@ class CentralEngine(RolloutEngine):
                 shutil.rmtree(old, ignore_errors=True)
 
     def health(self) -> dict:
-        return self.inner.health() if self.inner is not None else {"ok": True, "weight_version": self.weight_version}
+        return (
+            self.inner.health()
+            if self.inner is not None
+            else {"ok": True, "weight_version": self.weight_version}
+        )
 
     def stop(self) -> None:
         if self.inner is not None:

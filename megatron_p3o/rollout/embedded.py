@@ -21,8 +21,13 @@ from torch import Tensor
 from ..types import Sample, SamplingParams
 from .engine import Bucket, RolloutEngine
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-              "fp8": torch.bfloat16, "fp8_block": torch.bfloat16}
+PRECISIONS = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+    "fp8_block": torch.bfloat16,
+}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -68,16 +73,19 @@ class EmbeddedEngine(RolloutEngine):
 
     name = "embedded"
 
-    def __init__(self, hf_config: dict, precision: str = "bf16", max_batch: int = 64,
-                 pad_token_id: int = 0):
+    def __init__(
+        self, hf_config: dict, precision: str = "bf16", max_batch: int = 64, pad_token_id: int = 0
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if precision not in PRECISIONS:
             raise ValueError(f"rollout.precision={precision!r}; choose one of {sorted(PRECISIONS)}")
         self.precision, self.dtype = precision, PRECISIONS[precision]
         cfg = dict(hf_config)
-        cfg = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items()
-                                                             if k not in ("architectures", "torch_dtype")})
+        cfg = AutoConfig.for_model(
+            cfg.pop("model_type"),
+            **{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")},
+        )
         with torch.device("cpu"):
             self.model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).eval()
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -87,13 +95,20 @@ class EmbeddedEngine(RolloutEngine):
         # transformers >= 5 calls the KV cache ``cache``; earlier versions ``past_key_values``
         import inspect
 
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+        self._cache_kw = (
+            "cache"
+            if "cache" in inspect.signature(self.model.forward).parameters
             else "past_key_values"
+        )
 
     # -- weights ------------------------------------------------------------------------------
     def _to_engine(self, name: str, t: Tensor) -> Tensor:
         t = t.to(self.dtype)
-        if self.precision.startswith("fp8") and t.dim() == 2 and name.rsplit(".", 2)[-2] in _FP8_LINEARS:
+        if (
+            self.precision.startswith("fp8")
+            and t.dim() == 2
+            and name.rsplit(".", 2)[-2] in _FP8_LINEARS
+        ):
             t = fp8_quant_dequant(t, 128 if self.precision == "fp8_block" else None)
         return t
 
@@ -106,14 +121,18 @@ class EmbeddedEngine(RolloutEngine):
                     if p is None:
                         raise KeyError(f"update_weights: engine has no tensor {name!r}")
                     if tuple(p.shape) != tuple(tensor.shape):
-                        raise ValueError(f"update_weights: {name}: shape {tuple(tensor.shape)}, engine "
-                                         f"expects {tuple(p.shape)}")
+                        raise ValueError(
+                            f"update_weights: {name}: shape {tuple(tensor.shape)}, engine "
+                            f"expects {tuple(p.shape)}"
+                        )
                     p.copy_(self._to_engine(name, tensor))
                     seen.add(name)
         expected = set(self.params) - ({"lm_head.weight"} if self.tied else set())
         missing = sorted(expected - seen)
         if missing:
-            raise ValueError(f"update_weights: {len(missing)} tensors were not sent, e.g. {missing[:3]}")
+            raise ValueError(
+                f"update_weights: {len(missing)} tensors were not sent, e.g. {missing[:3]}"
+            )
         self.weight_version = version
 
     def health(self) -> dict:
@@ -126,14 +145,15 @@ class EmbeddedEngine(RolloutEngine):
         mask = torch.zeros((b, L), dtype=torch.long)
         for i, s in enumerate(seqs):
             if len(s):
-                ids[i, L - len(s):] = torch.as_tensor(list(s))
-                mask[i, L - len(s):] = 1
+                ids[i, L - len(s) :] = torch.as_tensor(list(s))
+                mask[i, L - len(s) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         return ids, mask, pos
 
     @torch.no_grad()
-    def _sample_batch(self, prompts: List[List[int]], sampling: SamplingParams,
-                      gen: Optional[torch.Generator]):
+    def _sample_batch(
+        self, prompts: List[List[int]], sampling: SamplingParams, gen: Optional[torch.Generator]
+    ):
         ids, mask, pos = self._left_pad(prompts)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         b = len(prompts)
@@ -160,13 +180,20 @@ class EmbeddedEngine(RolloutEngine):
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], 1)
             feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
             cache = out[self._cache_kw]
-            out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                             use_cache=True, **{self._cache_kw: cache})
+            out = self.model(
+                input_ids=feed[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
             next_pos = next_pos + 1
             logits = out.logits[:, -1]
         return toks, lps, finish
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> List[Sample]:
         if n < 1:
             raise ValueError(f"generate: n={n} must be >= 1")
         if self.weight_version < 0:
@@ -175,16 +202,28 @@ class EmbeddedEngine(RolloutEngine):
         flat = [(g, list(p)) for g, p in enumerate(prompts) for _ in range(n)]
         samples: List[Sample] = []
         for s in range(0, len(flat), self.max_batch):
-            part = flat[s:s + self.max_batch]
+            part = flat[s : s + self.max_batch]
             toks, lps, fin = self._sample_batch([p for _, p in part], sampling, gen)
             for (g, p), t, lp, f in zip(part, toks, lps, fin):
-                samples.append(Sample(prompt_ids=p, completion_ids=t, logprobs=lp, finish_reason=f,
-                                      weight_version=self.weight_version, group_id=g))
+                samples.append(
+                    Sample(
+                        prompt_ids=p,
+                        completion_ids=t,
+                        logprobs=lp,
+                        finish_reason=f,
+                        weight_version=self.weight_version,
+                        group_id=g,
+                    )
+                )
         return samples
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-              sampling: SamplingParams) -> List[List[float]]:
+    def score(
+        self,
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+    ) -> List[List[float]]:
         """Teacher-forced log-probs of ``completions`` (one full forward, same distribution)."""
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
         ids, mask, pos = self._left_pad(seqs)
@@ -195,11 +234,15 @@ class EmbeddedEngine(RolloutEngine):
             if not c:
                 out.append([])
                 continue
-            rows = logits[i, L - len(c) - 1:L - 1]
+            rows = logits[i, L - len(c) - 1 : L - 1]
             logp = sampling_logprobs(rows, sampling)
             out.append(logp.gather(-1, torch.as_tensor(list(c))[:, None])[:, 0].tolist())
         return out
 
 
 def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
-    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0) if a else math.nan
+    return (
+        max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
+        if a
+        else math.nan
+    )

@@ -22,7 +22,9 @@ class RolloutEngine(abc.ABC):
     name = "engine"
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> List[Sample]:
         """``n`` completions of each prompt (``group_id`` = prompt index)."""
 
     @abc.abstractmethod
@@ -41,7 +43,7 @@ class RolloutEngine(abc.ABC):
     def start(self) -> "RolloutEngine":
         return self
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # noqa: B027 - engines without resources need no teardown
         pass
 
     def __enter__(self):
@@ -52,8 +54,12 @@ class RolloutEngine(abc.ABC):
         return False
 
 
-def check_behaviour_semantics(sampling: SamplingParams, trainer_temperature: float,
-                              objective: str, allow_truncation: bool = False) -> None:
+def check_behaviour_semantics(
+    sampling: SamplingParams,
+    trainer_temperature: float,
+    objective: str,
+    allow_truncation: bool = False,
+) -> None:
     """Refuse engine/trainer settings under which ℓb is not the log-prob the objective assumes.
 
     The trainer computes ℓθ from logits / T over the full vocabulary. The engine's ℓb must be
@@ -64,9 +70,11 @@ def check_behaviour_semantics(sampling: SamplingParams, trainer_temperature: flo
     if abs(sampling.temperature - trainer_temperature) > 1e-9:
         raise SamplingError(
             f"engine temperature {sampling.temperature} != trainer temperature "
-            f"{trainer_temperature}: behaviour log-probs would come from another distribution")
+            f"{trainer_temperature}: behaviour log-probs would come from another distribution"
+        )
     if sampling.truncated and objective in ("p3o", "p4o") and not allow_truncation:
         raise SamplingError(
             f"objective {objective!r} takes its ratio against the engine's log-probs, but "
             f"top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampled distribution "
-            "and the trainer does not: disable them (top_p=1, top_k=0)")
+            "and the trainer does not: disable them (top_p=1, top_k=0)"
+        )

@@ -16,6 +16,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from ..errors import CheckpointError, DataError, InputFileError
+
 
 @dataclass
 class PromptItem:
@@ -25,19 +27,33 @@ class PromptItem:
 
 
 class PromptData:
-    def __init__(self, path: str, tokenizer, *, prompt_key: str = "prompt", answer_key: str = "answer",
-                 chat_template: bool = False, shuffle: bool = True, seed: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1, add_bos: bool = True):
+    def __init__(
+        self,
+        path: str,
+        tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        chat_template: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        add_bos: bool = True,
+    ):
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"data.path={path!r} does not exist")
+            raise InputFileError(f"data.path={path!r} does not exist")
+        import datasets
         from datasets import load_dataset
+
+        datasets.disable_progress_bars()  # "Generating train split" bars on every rank and file
 
         kind = "parquet" if p.suffix == ".parquet" else "json"
         ds = load_dataset(kind, data_files=str(p), split="train")
         for key in (prompt_key, answer_key):
             if key not in ds.column_names:
-                raise KeyError(f"{path}: no column {key!r} (columns: {ds.column_names})")
+                raise DataError(f"{path}: no column {key!r} (columns: {ds.column_names})")
         self.prompts = ds[prompt_key]
         self.answers = [str(a) for a in ds[answer_key]]
         self.tok, self.chat = tokenizer, chat_template
@@ -55,10 +71,13 @@ class PromptData:
 
     def encode(self, text: str) -> List[int]:
         if self.chat:
-            return self.tok.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
+            return self.tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
         ids = self.tok.encode(text, add_special_tokens=False)
-        return ([self.tok.bos_token_id] if self.add_bos and self.tok.bos_token_id is not None else []) + ids
+        return (
+            [self.tok.bos_token_id] if self.add_bos and self.tok.bos_token_id is not None else []
+        ) + ids
 
     def _shard_len(self) -> int:
         n = len(self._order)
@@ -67,14 +86,16 @@ class PromptData:
     def next(self, global_count: int) -> List[PromptItem]:
         """This DP rank's share of the next ``global_count`` prompts (global_count % dp == 0)."""
         if global_count % self.dp_size:
-            raise ValueError(f"{global_count} prompts do not split over dp={self.dp_size} ranks")
+            raise DataError(f"{global_count} prompts do not split over dp={self.dp_size} ranks")
         return self.next_local(global_count // self.dp_size)
 
     def next_local(self, count: int) -> List[PromptItem]:
         """The next ``count`` prompts of this DP rank's shard (crossing into new epochs)."""
         if self._shard_len() == 0:
-            raise ValueError(f"data.path has {len(self.prompts)} prompts: none for DP rank {self.dp_rank} "
-                             f"of {self.dp_size}")
+            raise DataError(
+                f"data.path has {len(self.prompts)} prompts: none for DP rank {self.dp_rank} "
+                f"of {self.dp_size}"
+            )
         rows: List[int] = []
         while len(rows) < count:
             if self.pos >= self._shard_len():
@@ -93,8 +114,10 @@ class PromptData:
 
     def load_state(self, st: Dict[str, int]) -> None:
         if int(st.get("dp", self.dp_size)) != self.dp_size:
-            raise ValueError(f"data cursor was saved with dp={st['dp']}, this run has dp={self.dp_size}: "
-                             "use remap_states")
+            raise CheckpointError(
+                f"data cursor was saved with dp={st['dp']}, this run has dp={self.dp_size}: "
+                "use remap_states"
+            )
         self.epoch, self.pos = int(st["epoch"]), int(st["pos"])
         self._order = self._permutation(self.epoch)
 
@@ -111,8 +134,16 @@ def remap_states(states: List[Dict[str, int]], new_dp: int) -> List[Dict[str, in
     return [{"epoch": epoch, "pos": start // new_dp, "dp": new_dp} for _ in range(new_dp)]
 
 
-def all_rows(path: str, tokenizer, prompt_key="prompt", answer_key="answer", add_bos=True) -> List[Tuple[List[int], str]]:
+def all_rows(
+    path: str, tokenizer, prompt_key="prompt", answer_key="answer", add_bos=True
+) -> List[Tuple[List[int], str]]:
     """Every (prompt ids, answer) of a file, in order (evaluation sets)."""
-    d = PromptData(path, tokenizer, prompt_key=prompt_key, answer_key=answer_key, shuffle=False,
-                   add_bos=add_bos)
+    d = PromptData(
+        path,
+        tokenizer,
+        prompt_key=prompt_key,
+        answer_key=answer_key,
+        shuffle=False,
+        add_bos=add_bos,
+    )
     return [(d.encode(p), a) for p, a in zip(d.prompts, d.answers)]

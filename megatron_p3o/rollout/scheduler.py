@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import UserError
 from ..types import Group, Sample, SamplingParams
 from .engine import RolloutEngine
 from .prompts import PromptData, PromptItem
@@ -39,19 +40,19 @@ NamedTensors = List[Tuple[str, torch.Tensor]]
 @dataclass(frozen=True)
 class RolloutPlan:
     """Attributes:
-        prompts: prompts per batch on this DP rank.
-        n_samples: completions per prompt.
-        sampling: engine sampling parameters (the seed is set per batch).
-        sync_every: L.
-        max_staleness: K (0 = synchronous).
-        dynamic_sampling: refill all-equal-reward groups with fresh prompts (DAPO).
-        max_rounds: refill rounds per batch before giving up (the rest stay, counted).
-        logprob_noise: σ of Gaussian noise added to the behaviour log-probs (stress tests only).
-        seed: run seed; dp_rank: this rank (sampling seeds differ per DP rank).
-        bucket_bytes: weight-sync bucket size.
-        end: the first batch index not to produce (the run's last step); None = no end. An
-            async producer stops there, so nothing is generated that no step will train on, and
-            ranks sharing a server stop after the same batch.
+    prompts: prompts per batch on this DP rank.
+    n_samples: completions per prompt.
+    sampling: engine sampling parameters (the seed is set per batch).
+    sync_every: L.
+    max_staleness: K (0 = synchronous).
+    dynamic_sampling: refill all-equal-reward groups with fresh prompts (DAPO).
+    max_rounds: refill rounds per batch before giving up (the rest stay, counted).
+    logprob_noise: σ of Gaussian noise added to the behaviour log-probs (stress tests only).
+    seed: run seed; dp_rank: this rank (sampling seeds differ per DP rank).
+    bucket_bytes: weight-sync bucket size.
+    end: the first batch index not to produce (the run's last step); None = no end. An
+        async producer stops there, so nothing is generated that no step will train on, and
+        ranks sharing a server stop after the same batch.
     """
 
     prompts: int
@@ -88,18 +89,33 @@ class RolloutResult:
 class RolloutScheduler:
     """Produces rollout batch ``start``, ``start + 1``, … by the rule in the module docstring."""
 
-    def __init__(self, engine: RolloutEngine, data: PromptData, score: ScoreFn, plan: RolloutPlan,
-                 start: int, initial_weights: NamedTensors, pending: Sequence[dict] = ()):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        data: PromptData,
+        score: ScoreFn,
+        plan: RolloutPlan,
+        start: int,
+        initial_weights: NamedTensors,
+        pending: Sequence[dict] = (),
+    ):
         self.engine, self.data, self.score, self.plan = engine, data, score, plan
         self.start, self.consumed = start, start
         self.engine_lock = threading.RLock()
         self._cond = threading.Condition()
-        self._pubs: Dict[int, Publication] = {start - 1: Publication(start - 1, start, initial_weights)}
-        for p in pending:  # re-evaluation requests published before a checkpoint, not yet rolled out
+        self._pubs: Dict[int, Publication] = {
+            start - 1: Publication(start - 1, start, initial_weights)
+        }
+        for (
+            p
+        ) in pending:  # re-evaluation requests published before a checkpoint, not yet rolled out
             old = self._pubs.get(int(p["step"]))
-            self._pubs[int(p["step"])] = Publication(int(p["step"]), int(p["version"]),
-                                                     old.weights if old else None,
-                                                     [tuple(x) for x in p["reeval"]])
+            self._pubs[int(p["step"])] = Publication(
+                int(p["step"]),
+                int(p["version"]),
+                old.weights if old else None,
+                [tuple(x) for x in p["reeval"]],
+            )
         self._data_before: Dict[int, dict] = {}
         self._error: Optional[BaseException] = None
         self._stop = False
@@ -110,8 +126,13 @@ class RolloutScheduler:
             self._thread.start()
 
     # -- the trainer's side ---------------------------------------------------------------------
-    def publish(self, step: int, version: int, weights: Optional[NamedTensors],
-                reeval: Sequence[Tuple[int, List[int], str]] = ()) -> None:
+    def publish(
+        self,
+        step: int,
+        version: int,
+        weights: Optional[NamedTensors],
+        reeval: Sequence[Tuple[int, List[int], str]] = (),
+    ) -> None:
         """After trainer step ``step``: version ``version``, its weights (sync point) or None."""
         if weights is not None:
             weights = [(n, t.detach().clone()) for n, t in weights]  # training goes on in place
@@ -130,10 +151,12 @@ class RolloutScheduler:
                     res = self._queue.get(timeout=1.0)
                     break
                 except queue.Empty:
+                    if isinstance(self._error, UserError):
+                        raise self._error from None  # bad rollout data: the user's message
                     if self._error is not None:
                         raise RuntimeError(f"rollout producer failed on batch {j}") from self._error
                     if not self._thread.is_alive():
-                        raise RuntimeError("rollout producer thread died")
+                        raise RuntimeError("rollout producer thread died") from None
         assert res.index == j, (res.index, j)
         self.consumed += 1
         with self._cond:  # a checkpoint from now on restarts at batch `consumed`
@@ -143,7 +166,8 @@ class RolloutScheduler:
         return res
 
     def state(self) -> dict:
-        """What a checkpoint after ``consumed`` batches needs to roll out batch ``consumed`` again."""
+        """What a checkpoint after ``consumed`` batches needs to roll out batch ``consumed``
+        again."""
         j = self.consumed
         if self._thread is None or (self.plan.end is not None and j >= self.plan.end):
             data = self.data.state()  # nothing in flight: the producer stopped at the end
@@ -151,13 +175,17 @@ class RolloutScheduler:
             with self._cond:
                 while j not in self._data_before and self._error is None:
                     self._cond.wait(timeout=1.0)
+                if isinstance(self._error, UserError):
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError("rollout producer failed") from self._error
                 data = self._data_before[j]
         with self._cond:
-            pending = [{"step": p.step, "version": p.version, "reeval": [list(x) for x in p.reeval]}
-                       for s, p in sorted(self._pubs.items()) if s >= j - self.plan.max_staleness - 1
-                       and s >= self.start and p.reeval]
+            pending = [
+                {"step": p.step, "version": p.version, "reeval": [list(x) for x in p.reeval]}
+                for s, p in sorted(self._pubs.items())
+                if s >= j - self.plan.max_staleness - 1 and s >= self.start and p.reeval
+            ]
         return {"data": data, "pending": pending}
 
     def stop(self) -> None:
@@ -169,14 +197,19 @@ class RolloutScheduler:
 
     # -- the producer ---------------------------------------------------------------------------
     def _wait_for(self, j: int) -> Tuple[Publication, List]:
-        """Block until publication j − K − 1 exists; return the weights to use and re-eval prompts."""
+        """Block until publication j − K − 1 exists; return the weights to use and the prompts to
+        re-evaluate."""
         need = j - self.plan.max_staleness - 1
         with self._cond:
             while need >= self.start and need not in self._pubs and not self._stop:
                 self._cond.wait(timeout=1.0)
             if self._stop:
                 raise _Stopped()
-            with_w = [p for s, p in self._pubs.items() if p.weights is not None and s <= max(need, self.start - 1)]
+            with_w = [
+                p
+                for s, p in self._pubs.items()
+                if p.weights is not None and s <= max(need, self.start - 1)
+            ]
             pub = max(with_w, key=lambda p: p.step)
             reeval = list(self._pubs[need].reeval) if need in self._pubs else []
             for old in self._pubs.values():
@@ -191,18 +224,23 @@ class RolloutScheduler:
         with self.engine_lock:
             # an empty list: the trainer pushed these weights itself (a central server)
             if pub.weights and self.engine.weight_version != pub.version:
-                self.engine.update_weights(iter_hf_buckets(iter(pub.weights), self.plan.bucket_bytes),
-                                           version=pub.version)
+                self.engine.update_weights(
+                    iter_hf_buckets(iter(pub.weights), self.plan.bucket_bytes), version=pub.version
+                )
 
     def _sampling(self, j: int, rnd: int) -> SamplingParams:
         p = self.plan
         return replace(p.sampling, seed=p.seed * 7919 + j * 31 + p.dp_rank + rnd * 1_000_003)
 
     def _roll(self, items: List[PromptItem], sources: List[str], j: int, rnd: int) -> List[Group]:
-        samples = self.engine.generate([it.prompt_ids for it in items], self.plan.n_samples,
-                                       self._sampling(j, rnd))
+        samples = self.engine.generate(
+            [it.prompt_ids for it in items], self.plan.n_samples, self._sampling(j, rnd)
+        )
         rewards = self.score(samples, [items[s.group_id].answer for s in samples])
-        groups = [Group(it.index, list(it.prompt_ids), it.answer, [], src) for it, src in zip(items, sources)]
+        groups = [
+            Group(it.index, list(it.prompt_ids), it.answer, [], src)
+            for it, src in zip(items, sources)
+        ]
         for s, r in zip(samples, rewards):
             s.reward = r
             groups[s.group_id].samples.append(s)
@@ -217,17 +255,21 @@ class RolloutScheduler:
             with self._cond:
                 self._data_before[j] = self.data.state()
                 self._cond.notify_all()
-            reeval = reeval[:p.prompts]
+            reeval = reeval[: p.prompts]
             items = [PromptItem(i, list(ids), a) for i, ids, a in reeval]
             items += self.data.next_local(p.prompts - len(items))
-            groups = self._roll(items, ["reeval"] * len(reeval) + ["fresh"] * (p.prompts - len(reeval)), j, 0)
+            groups = self._roll(
+                items, ["reeval"] * len(reeval) + ["fresh"] * (p.prompts - len(reeval)), j, 0
+            )
             rounds, dropped = 0, []
             while p.dynamic_sampling and rounds < p.max_rounds:
                 empty = [i for i, g in enumerate(groups) if g.homogeneous]
                 if not self.engine.any_rank(bool(empty)):
                     break
                 rounds += 1
-                new = self._roll(self.data.next_local(len(empty)), ["fresh"] * len(empty), j, rounds)
+                new = self._roll(
+                    self.data.next_local(len(empty)), ["fresh"] * len(empty), j, rounds
+                )
                 for i, g in zip(empty, new):
                     dropped.append(groups[i])
                     groups[i] = g
@@ -235,13 +277,21 @@ class RolloutScheduler:
             gen = torch.Generator().manual_seed(p.seed * 104_729 + j * 13 + p.dp_rank)
             for g in groups:
                 for s in g.samples:
-                    noise = torch.randn(len(s.logprobs), generator=gen, dtype=torch.float64) * p.logprob_noise
+                    noise = (
+                        torch.randn(len(s.logprobs), generator=gen, dtype=torch.float64)
+                        * p.logprob_noise
+                    )
                     s.logprobs = [x + float(e) for x, e in zip(s.logprobs, noise)]
         toks = sum(len(s.completion_ids) for g in groups for s in g.samples)
         dt = time.perf_counter() - t0
-        stats = {"rollout_s": dt, "rollout_tokens": float(toks), "dynamic_rounds": float(rounds),
-                 "dynamic_refilled": float(len(dropped)), "reeval_groups": float(len(reeval)),
-                 "rollout_version": float(pub.version)}
+        stats = {
+            "rollout_s": dt,
+            "rollout_tokens": float(toks),
+            "dynamic_rounds": float(rounds),
+            "dynamic_refilled": float(len(dropped)),
+            "reeval_groups": float(len(reeval)),
+            "rollout_version": float(pub.version),
+        }
         with self._cond:
             before = self._data_before[j]
         return RolloutResult(j, groups, before, stats, dropped)

@@ -30,36 +30,37 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import UserError
 from ..types import Sample, SamplingParams
 from .engine import Bucket, RolloutEngine
 
 
-class EngineUnavailableError(RuntimeError):
+class EngineUnavailableError(UserError, RuntimeError):
     """The SGLang server does not answer (after the configured restarts and retries)."""
 
 
-class EngineResponseError(ValueError):
+class EngineResponseError(UserError, ValueError):
     """A response that cannot be a valid sample (aborted, non-finite log-probs, length mismatch)."""
 
 
 @dataclass(frozen=True)
 class SGLangConfig:
     """Attributes:
-        url: attach to a running server or sglang router (no launch) when set.
-        model_path: HF directory the launched server loads.
-        dtype: serving dtype ("bfloat16", "float16", "auto").
-        quantization: e.g. "fp8" (weights) or None.
-        kv_cache_dtype: e.g. "fp8_e5m2" or None (= model dtype).
-        mem_fraction_static: GPU memory fraction for weights + KV cache.
-        tp_size: tensor parallel size of the server.
-        host / port: where a launched server listens.
-        gpus: CUDA_VISIBLE_DEVICES for the launched server (e.g. "4,5,6,7").
-        startup_timeout_s: wait for /health after launch.
-        request_timeout_s: per HTTP request.
-        max_concurrency: concurrent /generate requests.
-        max_restarts: restarts of a launched server that died (then a clear error).
-        max_retries: retries of one request after a connection failure.
-        extra_args: more ``sglang.launch_server`` arguments.
+    url: attach to a running server or sglang router (no launch) when set.
+    model_path: HF directory the launched server loads.
+    dtype: serving dtype ("bfloat16", "float16", "auto").
+    quantization: e.g. "fp8" (weights) or None.
+    kv_cache_dtype: e.g. "fp8_e5m2" or None (= model dtype).
+    mem_fraction_static: GPU memory fraction for weights + KV cache.
+    tp_size: tensor parallel size of the server.
+    host / port: where a launched server listens.
+    gpus: CUDA_VISIBLE_DEVICES for the launched server (e.g. "4,5,6,7").
+    startup_timeout_s: wait for /health after launch.
+    request_timeout_s: per HTTP request.
+    max_concurrency: concurrent /generate requests.
+    max_restarts: restarts of a launched server that died (then a clear error).
+    max_retries: retries of one request after a connection failure.
+    extra_args: more ``sglang.launch_server`` arguments.
     """
 
     url: Optional[str] = None
@@ -95,57 +96,92 @@ def launch_command(cfg: SGLangConfig) -> List[str]:
     """``python -m sglang.launch_server ...`` for ``cfg``."""
     if not cfg.model_path:
         raise ValueError("rollout.sglang.model_path is required to launch a server (or set url)")
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
-            "--tp-size", str(cfg.tp_size), "--host", cfg.host, "--port", str(cfg.port),
-            "--skip-tokenizer-init", *server_args(cfg)]
+    return [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        cfg.model_path,
+        "--tp-size",
+        str(cfg.tp_size),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--skip-tokenizer-init",
+        *server_args(cfg),
+    ]
 
 
-def generate_payload(prompt_ids: Sequence[int], sampling: SamplingParams, seed: Optional[int]) -> dict:
+def generate_payload(
+    prompt_ids: Sequence[int], sampling: SamplingParams, seed: Optional[int]
+) -> dict:
     """The ``/generate`` body for one completion of one prompt."""
-    sp = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-          "max_new_tokens": sampling.max_new_tokens}
+    sp = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_new_tokens": sampling.max_new_tokens,
+    }
     if sampling.top_k > 0:
         sp["top_k"] = sampling.top_k
     if sampling.stop_token_ids:
         sp["stop_token_ids"] = list(sampling.stop_token_ids)
     if seed is not None:
         sp["sampling_seed"] = int(seed)
-    return {"input_ids": list(map(int, prompt_ids)), "sampling_params": sp, "return_logprob": True,
-            "logprob_start_len": -1}  # output tokens only
+    return {
+        "input_ids": list(map(int, prompt_ids)),
+        "sampling_params": sp,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }  # output tokens only
 
 
-def parse_generate_response(resp: dict, prompt_ids: Sequence[int], group_id: int,
-                            fallback_version: int) -> Sample:
+def parse_generate_response(
+    resp: dict, prompt_ids: Sequence[int], group_id: int, fallback_version: int
+) -> Sample:
     """One SGLang ``/generate`` response → :class:`Sample` (refuses aborted / non-finite ones)."""
     meta = resp.get("meta_info") or {}
     rid = meta.get("id", "?")
     fin = meta.get("finish_reason")
     kind = fin.get("type") if isinstance(fin, dict) else fin
     if kind not in ("stop", "length"):
-        raise EngineResponseError(f"SGLang request {rid} (prompt group {group_id}) finished with "
-                                  f"{fin!r}; expected stop or length")
+        raise EngineResponseError(
+            f"SGLang request {rid} (prompt group {group_id}) finished with "
+            f"{fin!r}; expected stop or length"
+        )
     triples = meta.get("output_token_logprobs")
     if triples is None:
-        raise EngineResponseError(f"SGLang request {rid}: no output_token_logprobs "
-                                  "(was return_logprob sent?)")
+        raise EngineResponseError(
+            f"SGLang request {rid}: no output_token_logprobs (was return_logprob sent?)"
+        )
     logprobs = [float(t[0]) if t[0] is not None else math.nan for t in triples]
     ids = [int(t[1]) for t in triples]
     out_ids = resp.get("output_ids")
     if out_ids is not None and list(out_ids) != ids:
-        raise EngineResponseError(f"SGLang request {rid}: output_ids and output_token_logprobs "
-                                  f"disagree ({len(out_ids)} vs {len(ids)} tokens)")
+        raise EngineResponseError(
+            f"SGLang request {rid}: output_ids and output_token_logprobs "
+            f"disagree ({len(out_ids)} vs {len(ids)} tokens)"
+        )
     bad = [i for i, x in enumerate(logprobs) if not math.isfinite(x)]
     if bad:
-        raise EngineResponseError(f"SGLang request {rid} (prompt group {group_id}): non-finite "
-                                  f"behaviour log-prob at completion token {bad[0]}")
+        raise EngineResponseError(
+            f"SGLang request {rid} (prompt group {group_id}): non-finite "
+            f"behaviour log-prob at completion token {bad[0]}"
+        )
     version = meta.get("weight_version")
     try:
         version = int(version)
     except (TypeError, ValueError):
         version = fallback_version
-    return Sample(prompt_ids=list(prompt_ids), completion_ids=ids, logprobs=logprobs,
-                  finish_reason=kind, weight_version=version, group_id=group_id,
-                  meta={"rid": rid})
+    return Sample(
+        prompt_ids=list(prompt_ids),
+        completion_ids=ids,
+        logprobs=logprobs,
+        finish_reason=kind,
+        weight_version=version,
+        group_id=group_id,
+        meta={"rid": rid},
+    )
 
 
 class SGLangEngine(RolloutEngine):
@@ -187,15 +223,19 @@ class SGLangEngine(RolloutEngine):
         last = None
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise EngineUnavailableError(f"SGLang server exited with code {self.proc.returncode} "
-                                             f"during start-up ({' '.join(launch_command(self.cfg))})")
+                raise EngineUnavailableError(
+                    f"SGLang server exited with code {self.proc.returncode} "
+                    f"during start-up ({' '.join(launch_command(self.cfg))})"
+                )
             try:
                 self._request("GET", "/health", None, timeout=5)
                 return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
                 last = e
                 time.sleep(0.5)
-        raise EngineUnavailableError(f"SGLang server at {self.url} not healthy after {timeout_s:.0f}s: {last}")
+        raise EngineUnavailableError(
+            f"SGLang server at {self.url} not healthy after {timeout_s:.0f}s: {last}"
+        )
 
     def health(self) -> dict:
         try:
@@ -203,14 +243,21 @@ class SGLangEngine(RolloutEngine):
             ok = True
         except (urllib.error.URLError, ConnectionError, OSError):
             ok = False
-        return {"ok": ok, "weight_version": self.weight_version, "url": self.url,
-                "restarts": self.restarts}
+        return {
+            "ok": ok,
+            "weight_version": self.weight_version,
+            "url": self.url,
+            "restarts": self.restarts,
+        }
 
     # -- HTTP ---------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: Optional[dict], timeout: Optional[float] = None):
+    def _request(
+        self, method: str, path: str, body: Optional[dict], timeout: Optional[float] = None
+    ):
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
             raw = r.read()
         return json.loads(raw) if raw else {}
@@ -223,19 +270,24 @@ class SGLangEngine(RolloutEngine):
                 return self._request("POST", path, body)
             except urllib.error.HTTPError as e:  # the server answered: not a liveness problem
                 detail = e.read().decode(errors="replace")[:500]
-                raise EngineResponseError(f"SGLang {path} returned HTTP {e.code}: {detail}") from None
+                raise EngineResponseError(
+                    f"SGLang {path} returned HTTP {e.code}: {detail}"
+                ) from None
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
                 err = e
                 self._recover()
-        raise EngineUnavailableError(f"SGLang server at {self.url} did not answer {path} after "
-                                     f"{self.cfg.max_retries + 1} attempts: {err}")
+        raise EngineUnavailableError(
+            f"SGLang server at {self.url} did not answer {path} after "
+            f"{self.cfg.max_retries + 1} attempts: {err}"
+        )
 
     def _recover(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             if self.restarts >= self.cfg.max_restarts:
                 raise EngineUnavailableError(
                     f"SGLang server died (exit {self.proc.returncode}) and was restarted "
-                    f"{self.restarts} times already (max_restarts={self.cfg.max_restarts})")
+                    f"{self.restarts} times already (max_restarts={self.cfg.max_restarts})"
+                )
             self.restarts += 1
             self._launch()
             self.wait_healthy(self.cfg.startup_timeout_s)
@@ -243,11 +295,16 @@ class SGLangEngine(RolloutEngine):
             time.sleep(1.0)
 
     # -- generation ---------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> List[Sample]:
         if n < 1:
             raise ValueError(f"generate: n={n} must be >= 1")
-        jobs = [(g, list(p), None if sampling.seed is None else sampling.seed * 1_000_003 + g * n + j)
-                for g, p in enumerate(prompts) for j in range(n)]
+        jobs = [
+            (g, list(p), None if sampling.seed is None else sampling.seed * 1_000_003 + g * n + j)
+            for g, p in enumerate(prompts)
+            for j in range(n)
+        ]
         from rich.progress import Progress
 
         def one(job):
@@ -256,8 +313,10 @@ class SGLangEngine(RolloutEngine):
             return parse_generate_response(resp, p, g, self.weight_version)
 
         out: List[Sample] = []
-        with ThreadPoolExecutor(self.cfg.max_concurrency) as pool, \
-                Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
+        with (
+            ThreadPoolExecutor(self.cfg.max_concurrency) as pool,
+            Progress(transient=True, disable=not sys.stderr.isatty()) as bar,
+        ):
             task = bar.add_task("rollout (sglang)", total=len(jobs))
             for s in pool.map(one, jobs):
                 out.append(s)
@@ -266,22 +325,33 @@ class SGLangEngine(RolloutEngine):
 
     # -- weights ------------------------------------------------------------------------------
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        resp = self._post_with_recovery("/update_weights_from_disk", {
-            "model_path": model_path, "weight_version": str(version), "flush_cache": True})
+        resp = self._post_with_recovery(
+            "/update_weights_from_disk",
+            {"model_path": model_path, "weight_version": str(version), "flush_cache": True},
+        )
         if not resp.get("success", False):
             raise EngineResponseError(f"update_weights_from_disk failed: {resp.get('message')}")
         self.weight_version = version
 
-    def init_weight_update_group(self, master_address: str, master_port: int,
-                                 group_name: str = "p3o_weight_sync") -> None:
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, group_name: str = "p3o_weight_sync"
+    ) -> None:
         """An NCCL group {trainer rank 0} ∪ {server ranks} for broadcasting weights (GPU only)."""
         world = 1 + self.cfg.tp_size
-        body = {"master_address": master_address, "master_port": master_port, "rank_offset": 1,
-                "world_size": world, "group_name": group_name, "backend": "nccl"}
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": group_name,
+            "backend": "nccl",
+        }
         with ThreadPoolExecutor(1) as pool:  # both sides must join the rendezvous together
             fut = pool.submit(self._post_with_recovery, "/init_weights_update_group", body)
             store = torch.distributed.TCPStore(master_address, master_port, world, is_master=True)
-            pg = torch.distributed.ProcessGroupNCCL(torch.distributed.PrefixStore(group_name, store), 0, world)
+            pg = torch.distributed.ProcessGroupNCCL(
+                torch.distributed.PrefixStore(group_name, store), 0, world
+            )
             resp = fut.result()
         if not resp.get("success", False):
             raise EngineResponseError(f"init_weights_update_group failed: {resp.get('message')}")
@@ -290,17 +360,25 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Broadcast each bucket over the NCCL group while the server receives it."""
         if self._nccl is None:
-            raise RuntimeError("update_weights needs init_weight_update_group first (or use "
-                               "update_weights_from_disk)")
+            raise RuntimeError(
+                "update_weights needs init_weight_update_group first (or use "
+                "update_weights_from_disk)"
+            )
         pg, group_name, _ = self._nccl
         buckets = list(buckets)
         for i, bucket in enumerate(buckets):
-            body = {"names": [n for n, _ in bucket],
-                    "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name,
-                    "flush_cache": i == len(buckets) - 1, "weight_version": str(version)}
+            body = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": group_name,
+                "flush_cache": i == len(buckets) - 1,
+                "weight_version": str(version),
+            }
             with ThreadPoolExecutor(1) as pool:
-                fut = pool.submit(self._post_with_recovery, "/update_weights_from_distributed", body)
+                fut = pool.submit(
+                    self._post_with_recovery, "/update_weights_from_distributed", body
+                )
                 opts = torch.distributed.BroadcastOptions()
                 opts.rootRank = 0
                 for _, t in bucket:
@@ -308,7 +386,9 @@ class SGLangEngine(RolloutEngine):
                     pg.broadcast([t.cuda().contiguous()], opts).wait()
                 resp = fut.result()
             if not resp.get("success", False):
-                raise EngineResponseError(f"update_weights_from_distributed failed: {resp.get('message')}")
+                raise EngineResponseError(
+                    f"update_weights_from_distributed failed: {resp.get('message')}"
+                )
         self.weight_version = version
 
     def update_weights_colocated(self, buckets: Iterable[Bucket], version: int) -> None:
@@ -320,11 +400,18 @@ class SGLangEngine(RolloutEngine):
         for i, bucket in enumerate(buckets):
             named = [(n, t.cuda().contiguous()) for n, t in bucket]
             blob = MultiprocessingSerializer.serialize(named, output_str=True)
-            resp = self._post_with_recovery("/update_weights_from_tensor", {
-                "serialized_named_tensors": [blob] * self.cfg.tp_size,
-                "flush_cache": i == len(buckets) - 1, "weight_version": str(version)})
+            resp = self._post_with_recovery(
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": [blob] * self.cfg.tp_size,
+                    "flush_cache": i == len(buckets) - 1,
+                    "weight_version": str(version),
+                },
+            )
             if not resp.get("success", False):
-                raise EngineResponseError(f"update_weights_from_tensor failed: {resp.get('message')}")
+                raise EngineResponseError(
+                    f"update_weights_from_tensor failed: {resp.get('message')}"
+                )
         self.weight_version = version
 
 
@@ -358,16 +445,25 @@ class SGLangFleet(RolloutEngine):
 
     def health(self) -> dict:
         hs = [w.health() for w in self.workers]
-        return {"ok": all(h["ok"] for h in hs), "weight_version": self.weight_version, "workers": hs}
+        return {
+            "ok": all(h["ok"] for h in hs),
+            "weight_version": self.weight_version,
+            "workers": hs,
+        }
 
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams) -> List[Sample]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> List[Sample]:
         self.router.weight_version = self.weight_version  # fallback when a response has no version
         return self.router.generate(prompts, n, sampling)
 
     def init_weight_update_groups(self, master_address: str, first_port: int) -> None:
-        """One NCCL group per worker ({trainer rank 0} ∪ that worker's ranks), on consecutive ports."""
+        """One NCCL group per worker ({trainer rank 0} ∪ that worker's ranks), on consecutive
+        ports."""
         for i, w in enumerate(self.workers):
-            w.init_weight_update_group(master_address, first_port + i, group_name=f"p3o_weight_sync_{i}")
+            w.init_weight_update_group(
+                master_address, first_port + i, group_name=f"p3o_weight_sync_{i}"
+            )
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         for bucket in buckets:  # each bucket once from the trainer, to every worker in turn

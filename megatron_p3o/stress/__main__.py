@@ -7,20 +7,28 @@ at any time: the same command continues with the unfinished cells.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-import warnings
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("grid")
-    ap.add_argument("--list", action="store_true", help="validate every cell and list them; run nothing")
-    ap.add_argument("--report-only", action="store_true", help="write the report from finished cells")
+    ap.add_argument(
+        "--list", action="store_true", help="validate every cell and list them; run nothing"
+    )
+    ap.add_argument(
+        "--report-only", action="store_true", help="write the report from finished cells"
+    )
+    ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
-    warnings.filterwarnings("ignore")
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from megatron_p3o.stress.grid import cell_config, cells, load_grid
     from megatron_p3o.stress.report import write_report
@@ -28,7 +36,7 @@ def main(argv=None) -> int:
 
     grid = load_grid(a.grid)
     todo = cells(grid)
-    con = Console()
+    con = Console(soft_wrap=True)
     for c in todo:
         cell_config(grid, c)  # every cell must be a valid recipe before anything runs
     if a.list or a.report_only:
@@ -44,10 +52,17 @@ def main(argv=None) -> int:
 
         init_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
-        con = Console(quiet=rank != 0)
+        con = Console(quiet=rank != 0, soft_wrap=True)
         t0 = time.perf_counter()
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), TimeRemainingColumn(), console=con, disable=rank != 0) as bar:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=con,
+            disable=rank != 0,
+        ) as bar:
             grid_task = bar.add_task("cells", total=len(todo))
             for c in todo:
                 if finished(grid, c):
@@ -58,8 +73,10 @@ def main(argv=None) -> int:
                 s = run_cell(grid, c, cfg, rank, on_step=lambda m, st=st: bar.advance(st))
                 bar.remove_task(st)
                 bar.advance(grid_task)
-                con.print(f"{c.id}: {s['status']}  acc {s['acc_start']:.3f} → {s['acc_end']:.3f}  "
-                          f"ess {s['ess_mean']:.3f}  {s['wall_s']:.0f}s")
+                con.print(
+                    f"{c.id}: {s['status']}  acc {s['acc_start']:.3f} → {s['acc_end']:.3f}  "
+                    f"ess {s['ess_mean']:.3f}  {s['wall_s']:.0f}s"
+                )
         con.print(f"ran the grid in {(time.perf_counter() - t0) / 60:.1f} min")
         if rank != 0:
             return 0
@@ -75,4 +92,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_p3o.errors import run_cli
+
+    run_cli(main, "megatron_p3o.stress")

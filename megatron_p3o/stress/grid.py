@@ -77,8 +77,10 @@ class Cell:
 
 
 def _items(d: Dict[str, Any]) -> List[str]:
-    return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-            for k, v in d.items()]
+    return [
+        f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+        for k, v in d.items()
+    ]
 
 
 def load_grid(path: str | Path) -> GridConfig:
@@ -91,8 +93,13 @@ def load_grid(path: str | Path) -> GridConfig:
     for key in ("objectives", "mismatch"):
         if not isinstance(data.get(key), dict) or not data[key]:
             raise ConfigError(f"grid {p}: '{key}' must be a non-empty mapping of label -> settings")
-    objectives = {k: _build(ObjectiveSpec, v or {}, f"objectives.{k}") for k, v in data.pop("objectives").items()}
-    mismatch = {k: _build(MismatchSpec, v or {}, f"mismatch.{k}") for k, v in data.pop("mismatch").items()}
+    objectives = {
+        k: _build(ObjectiveSpec, v or {}, f"objectives.{k}")
+        for k, v in data.pop("objectives").items()
+    }
+    mismatch = {
+        k: _build(MismatchSpec, v or {}, f"mismatch.{k}") for k, v in data.pop("mismatch").items()
+    }
     grid = _build(GridConfig, data)
     grid = GridConfig(**{**grid.__dict__, "objectives": objectives, "mismatch": mismatch})
     if not grid.base:
@@ -105,7 +112,9 @@ def load_grid(path: str | Path) -> GridConfig:
 def cells(grid: GridConfig) -> List[Cell]:
     """Every (objective, mismatch, seed), in a stable order (objective-major)."""
     out = []
-    for (ol, o), (ml, m), seed in itertools.product(grid.objectives.items(), grid.mismatch.items(), grid.seeds):
+    for (ol, o), (ml, m), seed in itertools.product(
+        grid.objectives.items(), grid.mismatch.items(), grid.seeds
+    ):
         ov = _items(grid.set) + [f"loss.objective={o.objective}"]
         ov += _items({f"loss.hyper.{k}": v for k, v in o.hyper.items()}) + _items(m.set)
         ov += [f"run.seed={seed}"]

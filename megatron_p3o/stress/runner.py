@@ -27,25 +27,51 @@ def _mean(xs: List[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def summarize(cell: Cell, steps: List[dict], acc_start: float, acc_end: float, wall_s: float,
-              status: str = "ok") -> dict:
+def summarize(
+    cell: Cell,
+    steps: List[dict],
+    acc_start: float,
+    acc_end: float,
+    wall_s: float,
+    status: str = "ok",
+) -> dict:
     """One CSV row: the cell's settings and what its run showed."""
+
     def col(k):
         return [m.get(k) for m in steps if isinstance(m.get(k), (int, float))]
 
     r = col("reward_mean")
-    return {"cell": cell.id, "objective": cell.objective, "mismatch": cell.mismatch, "family": cell.family,
-            "level": cell.level, "seed": cell.seed, "status": status, "steps": len(steps),
-            "acc_start": acc_start, "acc_end": acc_end, "acc_delta": acc_end - acc_start,
-            "reward_first5": _mean(r[:5]), "reward_last5": _mean(r[-5:]),
-            "ess_mean": _mean(col("ratio_ess")), "ess_min": min(col("ratio_ess"), default=float("nan")),
-            "abs_logprob_diff_mean": _mean(col("abs_logprob_diff")),
-            "ratio_p99_mean": _mean(col("ratio_p99")), "staleness_mean": _mean(col("staleness_mean")),
-            "grad_norm_mean": _mean(col("grad_norm")), "wall_s": wall_s}
+    return {
+        "cell": cell.id,
+        "objective": cell.objective,
+        "mismatch": cell.mismatch,
+        "family": cell.family,
+        "level": cell.level,
+        "seed": cell.seed,
+        "status": status,
+        "steps": len(steps),
+        "acc_start": acc_start,
+        "acc_end": acc_end,
+        "acc_delta": acc_end - acc_start,
+        "reward_first5": _mean(r[:5]),
+        "reward_last5": _mean(r[-5:]),
+        "ess_mean": _mean(col("ratio_ess")),
+        "ess_min": min(col("ratio_ess"), default=float("nan")),
+        "abs_logprob_diff_mean": _mean(col("abs_logprob_diff")),
+        "ratio_p99_mean": _mean(col("ratio_p99")),
+        "staleness_mean": _mean(col("staleness_mean")),
+        "grad_norm_mean": _mean(col("grad_norm")),
+        "wall_s": wall_s,
+    }
 
 
-def run_cell(grid: GridConfig, cell: Cell, cfg: TrainConfig, rank: int,
-             on_step: Optional[Callable[[dict], None]] = None) -> dict:
+def run_cell(
+    grid: GridConfig,
+    cell: Cell,
+    cfg: TrainConfig,
+    rank: int,
+    on_step: Optional[Callable[[dict], None]] = None,
+) -> dict:
     """Train one cell (``cfg`` = ``cell_config(grid, cell, world_size)``); returns its summary
     (also written to ``cell.json`` on rank 0)."""
     import torch.distributed as dist
@@ -60,7 +86,9 @@ def run_cell(grid: GridConfig, cell: Cell, cfg: TrainConfig, rank: int,
         # World: nobody may open the run directory before rank 0 has cleared it.
         dist.barrier()
     p = cfg.parallel
-    groups = initialize(Layout(p.tp, p.pp, p.cp, None, p.vpp, p.sequence_parallel), seed=cfg.run.seed)
+    groups = initialize(
+        Layout(p.tp, p.pp, p.cp, None, p.vpp, p.sequence_parallel), seed=cfg.run.seed
+    )
     t0 = time.perf_counter()
     steps: List[dict] = []
     trainer = Trainer(cfg, groups)
@@ -74,8 +102,14 @@ def run_cell(grid: GridConfig, cell: Cell, cfg: TrainConfig, rank: int,
         acc1 = trainer.evaluate(cfg.data.eval_path, grid.eval_limit)
         summary = summarize(cell, steps, acc0, acc1, time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - a broken configuration is a result, not a crash
-        summary = summarize(cell, steps, float("nan"), float("nan"), time.perf_counter() - t0,
-                            status=f"failed: {type(e).__name__}: {str(e)[:200]}")
+        summary = summarize(
+            cell,
+            steps,
+            float("nan"),
+            float("nan"),
+            time.perf_counter() - t0,
+            status=f"failed: {type(e).__name__}: {str(e)[:200]}",
+        )
     finally:
         trainer.close()
         del trainer

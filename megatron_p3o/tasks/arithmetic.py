@@ -25,15 +25,18 @@ def make_tokenizer(out_dir: Path):
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
     fast.save_pretrained(out_dir)
     return fast
 
 
-def splits(digits: int = 2, heldout: int = 500, seed: int = 0) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+def splits(
+    digits: int = 2, heldout: int = 500, seed: int = 0
+) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
     """(train pairs, held-out pairs) of ``digits``-digit operands."""
-    hi = 10 ** digits
+    hi = 10**digits
     pairs = [(a, b) for a in range(hi) for b in range(hi)]
     random.Random(seed).shuffle(pairs)
     return pairs[heldout:], pairs[:heldout]

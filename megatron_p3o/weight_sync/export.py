@@ -42,8 +42,9 @@ def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> to
     return torch.cat(parts, tm.tp_dim)
 
 
-def iter_hf_tensors(chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
-                    desc: ModelDescription) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    chunks: Sequence[torch.nn.Module], groups: ParallelGroups, desc: ModelDescription
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the parameters this pipeline stage holds.
 
     Every TP rank of the stage must iterate (the gathers are collectives); every rank then
@@ -71,8 +72,9 @@ def iter_hf_tensors(chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
             yield from to_hf(tm, full, desc).items()
 
 
-def iter_hf_buckets(tensors: Iterator[Tuple[str, torch.Tensor]], bucket_bytes: int,
-                    dtype: torch.dtype | None = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+def iter_hf_buckets(
+    tensors: Iterator[Tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a larger tensor alone)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")

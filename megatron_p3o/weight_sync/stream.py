@@ -20,8 +20,9 @@ from ..parallel import ParallelGroups
 from .export import iter_hf_tensors
 
 
-def iter_hf_tensors_to_rank0(chunks: Sequence[torch.nn.Module], groups: ParallelGroups,
-                             desc: ModelDescription) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_hf_tensors_to_rank0(
+    chunks: Sequence[torch.nn.Module], groups: ParallelGroups, desc: ModelDescription
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """On global rank 0: every (HF name, full tensor) of the model. Elsewhere: nothing (but every
     rank of the first DP/CP replica must iterate it: the TP gathers and sends are collectives)."""
     g = groups
@@ -51,7 +52,10 @@ def iter_hf_tensors_to_rank0(chunks: Sequence[torch.nn.Module], groups: Parallel
                 if meta[0] is None:
                     break
                 name, shape, dtype = meta[0]
-                buf = torch.empty(shape, dtype=dtype, device=torch.cuda.current_device()
-                                  if torch.cuda.is_available() else "cpu")
+                buf = torch.empty(
+                    shape,
+                    dtype=dtype,
+                    device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu",
+                )
                 dist.recv(buf, src=src, group=g.pp)
                 yield name, buf

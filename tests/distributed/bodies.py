@@ -19,18 +19,54 @@ from megatron_p3o.model.forward import forward_backward, next_token_targets
 from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp, zero_grads
 
 FAMILIES = {
-    "llama": dict(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64,
-                  intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                  rope_theta=10000.0, tie_word_embeddings=False),
-    "qwen3": dict(architecture="Qwen3ForCausalLM", vocab_size=290, hidden_size=64,
-                  intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                  rope_theta=1e6, tie_word_embeddings=True, qk_norm=True),
-    "qwen2": dict(architecture="Qwen2ForCausalLM", vocab_size=260, hidden_size=64,
-                  intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                  tie_word_embeddings=False, qkv_bias=True),
-    "llama4l": dict(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64,
-                    intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
-                    tie_word_embeddings=False),
+    "llama": dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=290,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    ),
+    "qwen2": dict(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=260,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    ),
+    "llama4l": dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
 }
 SEQ = 32
 BATCH = 4
@@ -48,7 +84,7 @@ def make_batch(family: str, seed: int = 7, batch: int = BATCH, seq: int = SEQ):
     prompt = torch.randint(3, seq // 2, (batch,), generator=g)
     pos = torch.arange(seq)[None]
     mask = ((pos >= prompt[:, None]) & (pos < seq - 1)).float()
-    mask[0, seq - 6:] = 0.0  # a shorter response
+    mask[0, seq - 6 :] = 0.0  # a shorter response
     return {"tokens": tokens, "targets": next_token_targets(tokens), "loss_mask": mask}
 
 
@@ -71,9 +107,9 @@ def _split_microbatches(batch, groups, n_micro):
     b = batch["tokens"].shape[0]
     assert b % (dp * n_micro) == 0
     per = b // dp
-    mine = {k: v[r * per:(r + 1) * per] for k, v in batch.items()}
+    mine = {k: v[r * per : (r + 1) * per] for k, v in batch.items()}
     mb = per // n_micro
-    return [{k: v[i * mb:(i + 1) * mb] for k, v in mine.items()} for i in range(n_micro)]
+    return [{k: v[i * mb : (i + 1) * mb] for k, v in mine.items()} for i in range(n_micro)]
 
 
 def nll_loss_fn(groups, vocab_size, n_global):
@@ -97,15 +133,20 @@ def layout_grads(groups, family: str, init: str, out: str, n_micro: int = 1):
     n_global = batch["loss_mask"].sum()
     mbs = _split_microbatches(batch, groups, n_micro)
     zero_grads(ddp)
-    outs = forward_backward(ddp, groups, mbs, nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global))
+    outs = forward_backward(
+        ddp, groups, mbs, nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global)
+    )
     with torch.no_grad():
         for c in chunks:
             for p in c.parameters():
                 p.copy_(p.main_grad)
     save_model_state(chunks, out)
     return {
-        "tp_rank": groups.tp_rank, "cp_rank": groups.cp_rank, "dp_rank": groups.dp_rank,
-        "last": groups.is_last_stage(), "outs": outs,
+        "tp_rank": groups.tp_rank,
+        "cp_rank": groups.cp_rank,
+        "dp_rank": groups.dp_rank,
+        "last": groups.is_last_stage(),
+        "outs": outs,
     }
 
 
@@ -118,7 +159,9 @@ def reference_logprobs(groups, family: str, init: str, batch):
     vocab = FAMILIES[family]["vocab_size"]
     pos = torch.arange(SEQ)[None].expand(batch["tokens"].shape[0], -1)
     logits = model(batch["tokens"], pos, None)
-    lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(-1, batch["targets"][..., None])[..., 0]
+    lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(
+        -1, batch["targets"][..., None]
+    )[..., 0]
     return model, logits, lp
 
 
@@ -129,8 +172,10 @@ def grad_errors(groups, family: str, model, compare_dirs):
     for d in compare_dirs:
         (other,) = _build(family, groups)
         load_model_state([other], d)
-        errors[d] = {n: float((p.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
-                     for n, p in other.named_parameters()}
+        errors[d] = {
+            n: float((p.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+            for n, p in other.named_parameters()
+        }
     return ref, errors
 
 
@@ -142,8 +187,13 @@ def reference(groups, family: str, init: str, compare_dirs=()):
     loss.backward()
     ref, errors = grad_errors(groups, family, model, compare_dirs)
     vocab = FAMILIES[family]["vocab_size"]
-    return {"logits": logits.detach()[..., :vocab], "lp": lp.float().detach(), "loss": float(loss),
-            "errors": errors, "grad_norms": {n: float(g.norm()) for n, g in ref.items()}}
+    return {
+        "logits": logits.detach()[..., :vocab],
+        "lp": lp.float().detach(),
+        "loss": float(loss),
+        "errors": errors,
+        "grad_norms": {n: float(g.norm()) for n, g in ref.items()},
+    }
 
 
 def resave(groups, family: str, src: str, out: str):
@@ -176,8 +226,12 @@ def optimizer_steps(groups, family: str, init: str, out: str, distributed: bool,
     norms = []
     for _ in range(steps):
         zero_grads(ddp, opt)
-        forward_backward(ddp, groups, _split_microbatches(batch, groups, 1),
-                         nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global))
+        forward_backward(
+            ddp,
+            groups,
+            _split_microbatches(batch, groups, 1),
+            nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global),
+        )
         ok, gnorm, _ = opt.step()
         sched.step(1)
         assert ok
@@ -191,9 +245,14 @@ def reference_adamw(groups, family: str, init: str, trained: str, steps: int = 2
     (model,) = _build(family, groups)
     load_model_state([model], init)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith(".bias")]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and not n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-3, eps=1e-8)
+    no_decay = [
+        p for n, p in model.named_parameters() if not (p.ndim >= 2 and not n.endswith(".bias"))
+    ]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3,
+        eps=1e-8,
+    )
     batch = make_batch(family)
     vocab = FAMILIES[family]["vocab_size"]
     pos = torch.arange(SEQ)[None].expand(BATCH, -1)
@@ -201,7 +260,9 @@ def reference_adamw(groups, family: str, init: str, trained: str, steps: int = 2
     for _ in range(steps):
         opt.zero_grad()
         logits = model(batch["tokens"], pos, None)
-        lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(-1, batch["targets"][..., None])[..., 0]
+        lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(
+            -1, batch["targets"][..., None]
+        )[..., 0]
         loss = -(lp * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))

@@ -16,18 +16,35 @@ SEQ = 16
 
 FAMILIES = {
     # untied, GQA, odd vocab, llama3 rope scaling, single safetensors file
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=301, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8})),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=301,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        ),
+    ),
     # QKV bias, tied
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=259, tie_word_embeddings=True)),
     # QK-norm, head_dim ≠ hidden / heads, untied
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(vocab_size=317, head_dim=24,
-                                                      tie_word_embeddings=False)),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(vocab_size=317, head_dim=24, tie_word_embeddings=False),
+    ),
     # sharded safetensors with an index
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(vocab_size=300, sliding_window=None,
-                                                           tie_word_embeddings=False)),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(vocab_size=300, sliding_window=None, tie_word_embeddings=False),
+    ),
 }
 
 
@@ -35,9 +52,15 @@ def make_hf_model(family: str, out: Path, seed: int = 0):
     import transformers
 
     cfg_name, cls_name, kw = FAMILIES[family]
-    cfg = getattr(transformers, cfg_name)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=64, **kw)
+    cfg = getattr(transformers, cfg_name)(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **kw,
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(cfg).eval()
     with torch.no_grad():
@@ -65,14 +88,20 @@ def export_hf(groups, ckpt: str, out: str, max_shard_bytes: int = 2**30):
 
 def _load(groups, ckpt):
     meta = read_meta(ckpt)
-    chunks = build_model(meta["description"], groups, BuildOptions(
-        seq_length=SEQ, make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"]))
+    chunks = build_model(
+        meta["description"],
+        groups,
+        BuildOptions(
+            seq_length=SEQ, make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"]
+        ),
+    )
     load_model_state(chunks, ckpt)
     return meta, chunks
 
 
 def ckpt_logits(groups, ckpt: str, ids):
-    """Full logits ``[b, s, V]`` of the checkpoint loaded at this layout (None off the last stage)."""
+    """Full logits ``[b, s, V]`` of the checkpoint loaded at this layout (None off the last
+    stage)."""
     meta, chunks = _load(groups, ckpt)
     got = []
 
@@ -80,7 +109,11 @@ def ckpt_logits(groups, ckpt: str, ids):
         got.append(logits.detach().clone())
         return torch.zeros(()), 0, {}
 
-    batch = {"tokens": ids, "targets": next_token_targets(ids), "loss_mask": torch.ones_like(ids).float()}
+    batch = {
+        "tokens": ids,
+        "targets": next_token_targets(ids),
+        "loss_mask": torch.ones_like(ids).float(),
+    }
     with torch.no_grad():
         forward_backward(chunks, groups, [batch], loss_fn, forward_only=True)
     if not got:
@@ -108,7 +141,12 @@ def live_export(groups, ckpt: str):
     for bucket in iter_hf_buckets(iter_hf_tensors(chunks, groups, meta["description"]), 40_000):
         sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
         out.update({k: v.clone() for k, v in bucket})
-    return {"tensors": out, "bucket_bytes": sizes, "tp_rank": groups.tp_rank, "pp_rank": groups.pp_rank}
+    return {
+        "tensors": out,
+        "bucket_bytes": sizes,
+        "tp_rank": groups.tp_rank,
+        "pp_rank": groups.pp_rank,
+    }
 
 
 def convert_failing_midway(groups, hf_dir: str, out: str, fail_at: int = 6):

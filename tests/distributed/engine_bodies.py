@@ -27,23 +27,30 @@ def _trainer_logprobs(chunks, groups, samples, vocab, temperature):
     got = []
 
     def loss_fn(batch, logits):
-        lp, _ = vocab_parallel_logprobs(logits, batch["targets"], groups.tp, temperature=temperature,
-                                        vocab_size=vocab)
+        lp, _ = vocab_parallel_logprobs(
+            logits, batch["targets"], groups.tp, temperature=temperature, vocab_size=vocab
+        )
         got.append(lp.detach())
         return torch.zeros(()), 0, {}
 
-    batch = {"tokens": tokens, "targets": next_token_targets(tokens), "loss_mask": torch.ones(tokens.shape)}
+    batch = {
+        "tokens": tokens,
+        "targets": next_token_targets(tokens),
+        "loss_mask": torch.ones(tokens.shape),
+    }
     with torch.no_grad():
         forward_backward(chunks, groups, [batch], loss_fn, forward_only=True)
     lp = got[0]
     out = []
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        out.append(lp[i, p - 1: p - 1 + c].tolist())
+        out.append(lp[i, p - 1 : p - 1 + c].tolist())
     return out
 
 
-def engine_vs_trainer(groups, precisions=("fp32", "bf16", "fp16", "fp8", "fp8_block"), temperature=0.9):
+def engine_vs_trainer(
+    groups, precisions=("fp32", "bf16", "fp16", "fp8", "fp8_block"), temperature=0.9
+):
     desc = desc_of("llama")
     chunks = build_model(desc, groups, BuildOptions(seq_length=SEQ))
     with torch.no_grad():  # make the weights less uniform than the init
@@ -61,11 +68,18 @@ def engine_vs_trainer(groups, precisions=("fp32", "bf16", "fp16", "fp8", "fp8_bl
         if ref_samples is None:
             ref_samples = samples
         # score the fp32 engine's samples in every precision: the same tokens, other numerics
-        engine_lp = engine.score([s.prompt_ids for s in ref_samples],
-                                 [s.completion_ids for s in ref_samples], sp) if prec != "fp32" \
+        engine_lp = (
+            engine.score(
+                [s.prompt_ids for s in ref_samples], [s.completion_ids for s in ref_samples], sp
+            )
+            if prec != "fp32"
             else [s.logprobs for s in samples]
+        )
         trainer_lp = _trainer_logprobs(chunks, groups, ref_samples, desc.vocab_size, temperature)
         diffs = [abs(a - b) for ra, rb in zip(engine_lp, trainer_lp) for a, b in zip(ra, rb)]
-        report[prec] = {"max": max(diffs), "mean": sum(diffs) / len(diffs),
-                        "version": samples[0].weight_version}
+        report[prec] = {
+            "max": max(diffs),
+            "mean": sum(diffs) / len(diffs),
+            "version": samples[0].weight_version,
+        }
     return report

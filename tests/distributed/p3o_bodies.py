@@ -12,7 +12,15 @@ from megatron_p3o.loss import build_objective
 from megatron_p3o.loss.step_loss import StepLoss, StepLossConfig
 from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
 
-from .bodies import FAMILIES, SEQ, _build, _split_microbatches, grad_errors, make_batch, reference_logprobs
+from .bodies import (
+    FAMILIES,
+    SEQ,
+    _build,
+    _split_microbatches,
+    grad_errors,
+    make_batch,
+    reference_logprobs,
+)
 
 RL_BATCH = 6
 
@@ -42,13 +50,24 @@ def p3o_reference_loss(lp, lb, adv, mask):
     return (per * mask).sum() / n, float(e)
 
 
-def p3o_grads(groups, family: str, init: str, out: str, n_micro: int, scope: str = "step",
-              objective: str = "p3o"):
+def p3o_grads(
+    groups,
+    family: str,
+    init: str,
+    out: str,
+    n_micro: int,
+    scope: str = "step",
+    objective: str = "p3o",
+):
     chunks = _build(family, groups)
     load_model_state(chunks, init)
     ddp = wrap_ddp(chunks, groups, OptimConfig())
-    step = StepLoss(build_objective(objective), groups, FAMILIES[family]["vocab_size"],
-                    StepLossConfig(ess_scope=scope))
+    step = StepLoss(
+        build_objective(objective),
+        groups,
+        FAMILIES[family]["vocab_size"],
+        StepLossConfig(ess_scope=scope),
+    )
     zero_grads(ddp)
     batch = make_rl_batch(family)
     if objective == "oapl":  # the advantage stage computes A* over whole prompt groups
@@ -69,16 +88,26 @@ def p3o_reference(groups, family: str, init: str, compare_dirs=(), objective: st
     b = make_rl_batch(family)
     model, _, lp = reference_logprobs(groups, family, init, b)
     if objective == "p3o":
-        loss, e = p3o_reference_loss(lp, b["behavior_logprobs"].double(), b["advantages"].double(),
-                                     b["loss_mask"].double())
+        loss, e = p3o_reference_loss(
+            lp, b["behavior_logprobs"].double(), b["advantages"].double(), b["loss_mask"].double()
+        )
     else:
         from tests.unit.test_objectives import ref_loss
 
         e = None
-        loss = ref_loss(objective, dict(
-            lp=lp, lb=b["behavior_logprobs"].double(), lold=b["old_logprobs"].double(), lref=None,
-            mask=b["loss_mask"].double(), adv=b["advantages"][:, 0].double(),
-            rewards=b["rewards"].double(), groups=b["group_ids"]))
+        loss = ref_loss(
+            objective,
+            dict(
+                lp=lp,
+                lb=b["behavior_logprobs"].double(),
+                lold=b["old_logprobs"].double(),
+                lref=None,
+                mask=b["loss_mask"].double(),
+                adv=b["advantages"][:, 0].double(),
+                rewards=b["rewards"].double(),
+                groups=b["group_ids"],
+            ),
+        )
     loss.backward()
     _, errors = grad_errors(groups, family, model, compare_dirs)
     return {"loss": float(loss), "ess": e, "errors": errors}

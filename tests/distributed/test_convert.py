@@ -46,13 +46,19 @@ def _hf_logits(model, ids):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [Layout(), Layout(tp=2), Layout(pp=2)], ids=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", [Layout(), Layout(tp=2), Layout(pp=2)], ids=["tp1", "tp2", "pp2"]
+)
 @pytest.mark.parametrize("family", list(cb.FAMILIES))
 def test_converted_logits_match_transformers(pools, converted, family, layout):
     hf_dir, model, ckpt = converted(family)
     ids = cb.prompt_ids(model.config.vocab_size)
     world = 1 if layout == Layout() else 2
-    res = [r for r in pools(world).run(cb.ckpt_logits, layout, ckpt=str(ckpt), ids=ids) if r is not None]
+    res = [
+        r
+        for r in pools(world).run(cb.ckpt_logits, layout, ckpt=str(ckpt), ids=ids)
+        if r is not None
+    ]
     ref = _hf_logits(model, ids)
     assert res, "no rank produced logits"
     for out in res:
@@ -65,7 +71,9 @@ def test_converted_logits_match_transformers(pools, converted, family, layout):
 def test_hf_megatron_hf_round_trip_is_bitwise(pools, converted, tmp_path, family):
     hf_dir, _, ckpt = converted(family)
     out = tmp_path / "hf-back"
-    rep = pools(1).run(cb.export_hf, Layout(), ckpt=str(ckpt), out=str(out), max_shard_bytes=60_000)[0]
+    rep = pools(1).run(
+        cb.export_hf, Layout(), ckpt=str(ckpt), out=str(out), max_shard_bytes=60_000
+    )[0]
     assert rep["shards"] > 1
     a, b = _hf_state(hf_dir), _hf_state(out)
     assert set(a) == set(b)
@@ -90,7 +98,11 @@ def test_tp2_checkpoint_to_hf_to_pp2(pools, converted, tmp_path):
     pools(1).run(cb.export_hf, Layout(), ckpt=str(tp2), out=str(hf_back))
     pools(1).run(cb.convert_hf, Layout(), hf_dir=str(hf_back), out=str(ckpt2))
     ids = cb.prompt_ids(model.config.vocab_size)
-    res = [r for r in pools(2).run(cb.ckpt_logits, Layout(pp=2), ckpt=str(ckpt2), ids=ids) if r is not None]
+    res = [
+        r
+        for r in pools(2).run(cb.ckpt_logits, Layout(pp=2), ckpt=str(ckpt2), ids=ids)
+        if r is not None
+    ]
     assert len(res) == 1 and (res[0] - _hf_logits(model, ids)).abs().max() < TOL
 
 
@@ -115,6 +127,7 @@ def test_live_export_yields_the_hf_state_dict(pools, converted, family, layout):
 
 
 # -- bad inputs (no ranks needed: they fail before any process group) -------------------------
+
 
 def test_missing_shard_file_is_named(converted, tmp_path):
     hf_dir, _, _ = converted("mistral")
@@ -144,7 +157,9 @@ def test_wrong_architecture_and_shape_mismatch(converted, tmp_path):
     wrong = tmp_path / "wrong"
     shutil.copytree(hf_dir, wrong)
     (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
-    with pytest.raises(MappingError, match=r"mlp.gate_proj.weight: shape \(96, 64\), expected \(128, 64\)"):
+    with pytest.raises(
+        MappingError, match=r"mlp.gate_proj.weight: shape \(96, 64\), expected \(128, 64\)"
+    ):
         convert(str(wrong), str(tmp_path / "o2"), progress=False)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 

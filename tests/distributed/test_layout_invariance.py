@@ -55,9 +55,12 @@ CASES = [
 def _check(pools, tmp_path, init_ckpts, family, world, layout, n_micro):
     init = init_ckpts(family)
     grads = str(tmp_path / "grads")
-    res = pools(world).run(bodies.layout_grads, layout, family=family, init=init, out=grads,
-                           n_micro=n_micro)
-    ref = pools(2).run(bodies.reference, Layout(), family=family, init=init, compare_dirs=[grads])[0]
+    res = pools(world).run(
+        bodies.layout_grads, layout, family=family, init=init, out=grads, n_micro=n_micro
+    )
+    ref = pools(2).run(bodies.reference, Layout(), family=family, init=init, compare_dirs=[grads])[
+        0
+    ]
     dp = res[0]["outs"] and 1
     dp = world // (layout.tp * layout.pp * layout.cp)
     logits, lp = _assemble(res, family, n_micro, dp)
@@ -76,8 +79,11 @@ def _check(pools, tmp_path, init_ckpts, family, world, layout, n_micro):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("world,layout,n_micro", CASES, ids=lambda x: str(x) if not isinstance(x, Layout) else
-                         f"tp{x.tp}pp{x.pp}cp{x.cp}")
+@pytest.mark.parametrize(
+    "world,layout,n_micro",
+    CASES,
+    ids=lambda x: str(x) if not isinstance(x, Layout) else f"tp{x.tp}pp{x.pp}cp{x.cp}",
+)
 def test_layout_matches_tp1(pools, tmp_path, init_ckpts, family, world, layout, n_micro):
     _check(pools, tmp_path, init_ckpts, family, world, layout, n_micro)
 
@@ -98,8 +104,14 @@ def test_interleaved_pipeline_matches_tp1(pools, tmp_path, init_ckpts):
 def test_dp2_optimizer_matches_adamw(pools, tmp_path, init_ckpts, distributed):
     init = init_ckpts("llama")
     out = str(tmp_path / "trained")
-    norms = pools(2).run(bodies.optimizer_steps, Layout(dp=2), family="llama", init=init, out=out,
-                         distributed=distributed)[0]
+    norms = pools(2).run(
+        bodies.optimizer_steps,
+        Layout(dp=2),
+        family="llama",
+        init=init,
+        out=out,
+        distributed=distributed,
+    )[0]
     ref = pools(2).run(bodies.reference_adamw, Layout(), family="llama", init=init, trained=out)[0]
     for a, b in zip(norms, ref["norms"]):
         assert abs(a - b) / b < 1e-5, (norms, ref["norms"])
@@ -118,10 +130,13 @@ def test_dist_checkpoint_tp1_to_tp2_round_trip(pools, tmp_path, init_ckpts):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(tp=3), "world size 2 is not divisible by tp×pp×cp = 3×1×1 = 3"),
-    (dict(tp=2, dp=2), "dp=2 but world size 2 / (tp×pp×cp = 2) = 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(tp=3), "world size 2 is not divisible by tp×pp×cp = 3×1×1 = 3"),
+        (dict(tp=2, dp=2), "dp=2 but world size 2 / (tp×pp×cp = 2) = 1"),
+    ],
+)
 def test_impossible_layout_message(pools, kwargs, needle):
     msgs = pools(2).run(bodies.try_layout, None, **kwargs)
     assert all(m is not None and needle in m for m in msgs), msgs

@@ -54,16 +54,20 @@ def test_tp1_bf16_logits_accumulate_in_fp32():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,chunk,inplace", [(2, None, False), (2, 5, True), (4, 8, False),
-                                                 (4, None, True)])
+@pytest.mark.parametrize(
+    "world,chunk,inplace", [(2, None, False), (2, 5, True), (4, 8, False), (4, None, True)]
+)
 def test_tp_sharded(pools, world, chunk, inplace):
-    results = pools(world).run(lb.shard_logprobs, Layout(tp=world), temperature=0.7, chunk_size=chunk,
-                               inplace=inplace)
+    results = pools(world).run(
+        lb.shard_logprobs, Layout(tp=world), temperature=0.7, chunk_size=chunk, inplace=inplace
+    )
     _check(results, 0.7, 1e-6)
 
 
 @pytest.mark.distributed
 def test_shards_of_padding_only(pools):
     """A tiny vocabulary at large TP: ranks 1–3 hold only padded columns (70 real of 320)."""
-    results = pools(4).run(lb.shard_logprobs, Layout(tp=4), temperature=1.0, chunk_size=None, vocab=70)
+    results = pools(4).run(
+        lb.shard_logprobs, Layout(tp=4), temperature=1.0, chunk_size=None, vocab=70
+    )
     _check(results, 1.0, 1e-6, vocab=70)

@@ -18,9 +18,20 @@ RECIPE = str(ROOT / "recipes/tiny_cpu.yaml")
 
 
 def _train(base, run_dir, name, steps, *extra, code=None):
-    args = [RECIPE, *_sets(base, run_dir, name, steps), "--set", "checkpoint.every=2",
-            "--set", "checkpoint.keep_last=3", *extra]
-    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "megatron_p3o.train", *args]
+    args = [
+        RECIPE,
+        *_sets(base, run_dir, name, steps),
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "checkpoint.keep_last=3",
+        *extra,
+    ]
+    cmd = (
+        [sys.executable, "-c", code, *args]
+        if code
+        else [sys.executable, "-m", "megatron_p3o.train", *args]
+    )
     out, err = run_dir / f"{name}.out", run_dir / f"{name}.err"
     # Output to files and a process group of its own: a killed trainer can leave the checkpoint
     # writer's helper processes behind, holding pipes open; they are reaped with the group.
@@ -109,9 +120,11 @@ def test_resume_at_another_tensor_parallel_size(base, tmp_path):
     shutil.copytree(tmp_path / "tp1", tmp_path / "tp2")
     one = _train(base, tmp_path, "tp1", 3)
     assert one.returncode == 0, one.stderr[-3000:]
-    code = ("import runpy, sys; sys.argv = ['torchrun', '--nproc-per-node', '2', '--master-port', '29753', "
-            "'-m', 'megatron_p3o.train'] + sys.argv[1:]; runpy.run_module('torch.distributed.run', "
-            "run_name='__main__')")
+    code = (
+        "import runpy, sys; sys.argv = ['torchrun', '--nproc-per-node', '2', '--standalone', "
+        "'-m', 'megatron_p3o.train'] + sys.argv[1:]; runpy.run_module('torch.distributed.run', "
+        "run_name='__main__')"
+    )
     two = _train(base, tmp_path, "tp2", 3, "--set", "parallel.tp=2", code=code)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     assert "resumed from" in two.stdout and "(step 2)" in two.stdout

@@ -22,9 +22,10 @@ from .test_tiny_recipe import _sets
 
 
 class StandIn:
-    def __init__(self, hf_dir: Path):
+    def __init__(self, hf_dir: Path, nan_logprobs: bool = False):
         from megatron_p3o.rollout.embedded import EmbeddedEngine
 
+        self.nan_logprobs = nan_logprobs  # report NaN behaviour log-probs (a broken server)
         cfg = json.loads((hf_dir / "config.json").read_text())
         self.engine = EmbeddedEngine(cfg, "bf16", pad_token_id=cfg.get("pad_token_id") or 0)
         self.lock = threading.Lock()
@@ -44,7 +45,10 @@ class StandIn:
                 self.wfile.write(raw)
 
             def do_GET(self):
-                self._send({} if self.path == "/health" else {"error": self.path}, 200 if self.path == "/health" else 404)
+                self._send(
+                    {} if self.path == "/health" else {"error": self.path},
+                    200 if self.path == "/health" else 404,
+                )
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -70,17 +74,30 @@ class StandIn:
             return {"success": True, "message": ""}
         if path == "/generate":
             sp = body["sampling_params"]
-            params = SamplingParams(temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp.get("top_k", 0),
-                                    max_new_tokens=sp["max_new_tokens"],
-                                    stop_token_ids=tuple(sp.get("stop_token_ids", ())), seed=sp.get("sampling_seed"))
+            params = SamplingParams(
+                temperature=sp["temperature"],
+                top_p=sp["top_p"],
+                top_k=sp.get("top_k", 0),
+                max_new_tokens=sp["max_new_tokens"],
+                stop_token_ids=tuple(sp.get("stop_token_ids", ())),
+                seed=sp.get("sampling_seed"),
+            )
             with self.lock:
                 s = self.engine.generate([body["input_ids"]], 1, params)[0]
                 self.generated += 1
                 version = self.version
-            return {"output_ids": s.completion_ids,
-                    "meta_info": {"id": f"r{self.generated}", "finish_reason": {"type": s.finish_reason},
-                                  "output_token_logprobs": [[lp, t, None] for lp, t in zip(s.logprobs, s.completion_ids)],
-                                  "weight_version": str(version)}}
+            lps = [float("nan")] * len(s.logprobs) if self.nan_logprobs else s.logprobs
+            return {
+                "output_ids": s.completion_ids,
+                "meta_info": {
+                    "id": f"r{self.generated}",
+                    "finish_reason": {"type": s.finish_reason},
+                    "output_token_logprobs": [
+                        [lp, t, None] for lp, t in zip(lps, s.completion_ids)
+                    ],
+                    "weight_version": str(version),
+                },
+            }
         return {"success": False, "message": f"no route {path}"}
 
 
@@ -92,16 +109,42 @@ def test_trainer_drives_one_server(base, tmp_path, layout):
     steps, prompts, n = 3, 8, 8
     heldout = tmp_path / "heldout_small.jsonl"  # each evaluation: one request per prompt
     heldout.write_text("".join((base / "heldout.jsonl").read_text().splitlines(keepends=True)[:24]))
-    extra = ["--set", "parallel.pp=2"] if layout == "pp2" else ["--set", "batch.micro_batch_size=16"]
+    extra = (
+        ["--set", "parallel.pp=2"] if layout == "pp2" else ["--set", "batch.micro_batch_size=16"]
+    )
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         "29761" if layout == "dp2" else "29763", "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
-         *_sets(base, tmp_path, layout, steps=steps), *extra,
-         "--set", "rollout.engine=sglang", "--set", f"rollout.sglang.url={srv.url}",
-         "--set", "rollout.weight_sync=disk", "--set", f"rollout.weight_sync_dir={tmp_path / 'sync'}",
-         "--set", "rollout.max_staleness=1", "--set", "rollout.dynamic_sampling=true",
-         "--set", f"data.eval_path={heldout}"],
-        capture_output=True, text=True, env=ENV, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "megatron_p3o.train",
+            str(ROOT / "recipes/tiny_cpu.yaml"),
+            *_sets(base, tmp_path, layout, steps=steps),
+            *extra,
+            "--set",
+            "rollout.engine=sglang",
+            "--set",
+            f"rollout.sglang.url={srv.url}",
+            "--set",
+            "rollout.weight_sync=disk",
+            "--set",
+            f"rollout.weight_sync_dir={tmp_path / 'sync'}",
+            "--set",
+            "rollout.max_staleness=1",
+            "--set",
+            "rollout.dynamic_sampling=true",
+            "--set",
+            f"data.eval_path={heldout}",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=900,
+    )
     srv.server.shutdown()
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = [json.loads(x) for x in (tmp_path / layout / "metrics.jsonl").read_text().splitlines()]

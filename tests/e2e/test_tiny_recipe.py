@@ -12,18 +12,42 @@ from .cli import ENV, ROOT
 
 
 def _sets(base, run_dir, name, steps=2):
-    return ["--set", f"model.checkpoint={base / 'ckpt'}", "--set", f"data.path={base / 'train.jsonl'}",
-            "--set", f"data.eval_path={base / 'heldout.jsonl'}", "--set", f"steps={steps}",
-            "--set", f"run.dir={run_dir}", "--set", f"run.name={name}", "--set", "data.eval_every=0",
-            "--set", "batch.prompts_per_rollout=8"]
+    return [
+        "--set",
+        f"model.checkpoint={base / 'ckpt'}",
+        "--set",
+        f"data.path={base / 'train.jsonl'}",
+        "--set",
+        f"data.eval_path={base / 'heldout.jsonl'}",
+        "--set",
+        f"steps={steps}",
+        "--set",
+        f"run.dir={run_dir}",
+        "--set",
+        f"run.name={name}",
+        "--set",
+        "data.eval_every=0",
+        "--set",
+        "batch.prompts_per_rollout=8",
+    ]
 
 
 def _check_run(run: Path, steps: int, out: str):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     for m in lines:
-        for key in ("ess", "loss", "reward_mean", "abs_logprob_diff", "ratio_p99", "rollout_s",
-                    "train_s", "grad_norm", "weight_version", "n_tokens"):
+        for key in (
+            "ess",
+            "loss",
+            "reward_mean",
+            "abs_logprob_diff",
+            "ratio_p99",
+            "rollout_s",
+            "train_s",
+            "grad_norm",
+            "weight_version",
+            "n_tokens",
+        ):
             assert key in m, key
         assert 0 < m["ess"] <= 1 and m["weight_version"] == m["step"]
     assert (run / "checkpoints" / "latest").read_text() == f"step_{steps:06d}"
@@ -40,8 +64,19 @@ def _check_run(run: Path, steps: int, out: str):
 
 @pytest.mark.e2e
 def test_single_process_run(base, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
-                        *_sets(base, tmp_path, "one")], capture_output=True, text=True, env=ENV, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_p3o.train",
+            str(ROOT / "recipes/tiny_cpu.yaml"),
+            *_sets(base, tmp_path, "one"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     _check_run(tmp_path / "one", 2, r.stdout)
     cfg = json.loads((tmp_path / "one" / "config.json").read_text())
@@ -51,27 +86,62 @@ def test_single_process_run(base, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.distributed
 def test_torchrun_two_ranks(base, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", "29741", "-m", "megatron_p3o.train",
-                        str(ROOT / "recipes/tiny_cpu.yaml"), *_sets(base, tmp_path, "two", steps=3),
-                        "--set", "batch.micro_batch_size=16",
-                        # the off-policy machinery on the DP path: async K=1, DAPO refills, BAPO
-                        "--set", "rollout.max_staleness=1", "--set", "rollout.dynamic_sampling=true",
-                        "--set", "replay.policy=bapo"],
-                       capture_output=True, text=True, env=ENV, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "megatron_p3o.train",
+            str(ROOT / "recipes/tiny_cpu.yaml"),
+            *_sets(base, tmp_path, "two", steps=3),
+            "--set",
+            "batch.micro_batch_size=16",
+            # the off-policy machinery on the DP path: async K=1, DAPO refills, BAPO
+            "--set",
+            "rollout.max_staleness=1",
+            "--set",
+            "rollout.dynamic_sampling=true",
+            "--set",
+            "replay.policy=bapo",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     _check_run(tmp_path / "two", 3, r.stdout)
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["staleness_max"] for m in lines] == [0.0, 1.0, 1.0]  # + replayed groups could be older
+    assert [m["staleness_max"] for m in lines] == [
+        0.0,
+        1.0,
+        1.0,
+    ]  # + replayed groups could be older
     assert [m["rollout_version"] for m in lines] == [0.0, 0.0, 1.0]
     assert all(m["dynamic_refilled"] >= 0 and "replay_groups" in m for m in lines)
 
 
 @pytest.mark.e2e
 def test_bad_config_one_clear_message(base, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
-                        *_sets(base, tmp_path, "bad"), "--set", "optim.lrr=1"],
-                       capture_output=True, text=True, env=ENV, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_p3o.train",
+            str(ROOT / "recipes/tiny_cpu.yaml"),
+            *_sets(base, tmp_path, "bad"),
+            "--set",
+            "optim.lrr=1",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert r.returncode != 0
     assert "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)" in r.stderr
 
@@ -81,11 +151,29 @@ def test_off_policy_knobs(base, tmp_path):
     """Several optimizer steps per rollout batch (2 mini-batches × 2 epochs) and a rollout policy
     refreshed every 2 steps: the engine lags, the recorded weight version shows it, and the step
     loss sees the off-policy data (e_B < 1)."""
-    r = subprocess.run([sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
-                        *_sets(base, tmp_path, "offp", steps=3), "--set", "batch.minibatches=2",
-                        "--set", "batch.epochs=2", "--set", "batch.micro_batch_size=16",
-                        "--set", "rollout.sync_every=2", "--set", "optim.lr=3e-3"],
-                       capture_output=True, text=True, env=ENV, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_p3o.train",
+            str(ROOT / "recipes/tiny_cpu.yaml"),
+            *_sets(base, tmp_path, "offp", steps=3),
+            "--set",
+            "batch.minibatches=2",
+            "--set",
+            "batch.epochs=2",
+            "--set",
+            "batch.micro_batch_size=16",
+            "--set",
+            "rollout.sync_every=2",
+            "--set",
+            "optim.lr=3e-3",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "offp" / "metrics.jsonl").read_text().splitlines()]
     # batch j is rolled out with version 2·⌊j/2⌋: steps 1–3 train on versions 0, 0, 2
@@ -102,3 +190,42 @@ def test_base_model_matches_the_committed_config(base):
     committed = json.loads((ROOT / "recipes/models/tiny-llama/config.json").read_text())
     made.pop("transformers_version", None)
     assert made == committed
+
+
+@pytest.mark.e2e
+def test_main_job_learns(base, tmp_path):
+    """The tiny recipe as shipped (P3O, bf16 rollouts, its learning rate and batch), shortened to
+    20 steps: held-out greedy accuracy must rise by at least 10 points (the full 60-step run
+    gains 20–30)."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_p3o.train",
+            str(ROOT / "recipes/tiny_cpu.yaml"),
+            "--set",
+            f"model.checkpoint={base / 'ckpt'}",
+            "--set",
+            f"data.path={base / 'train.jsonl'}",
+            "--set",
+            f"data.eval_path={base / 'heldout.jsonl'}",
+            "--set",
+            "steps=20",
+            "--set",
+            f"run.dir={tmp_path}",
+            "--set",
+            "run.name=learn",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tmp_path / "learn" / "tensorboard"))
+    ev.Reload()
+    acc = {e.step: e.value for e in ev.Scalars("eval/heldout_accuracy")}
+    assert min(acc) == 0 and max(acc) == 20, acc
+    assert acc[20] - acc[0] >= 0.10, acc

@@ -11,7 +11,9 @@ def _write(tmp_path, text):
 
 def test_defaults_and_overrides(tmp_path):
     p = _write(tmp_path, "optim:\n  lr: 1.0e-5\nrollout:\n  sampling:\n    temperature: 0.7\n")
-    cfg = load_config(p, ["loss.objective=grpo", "batch.micro_batch_size=2", "loss.hyper={eps_low: 0.1}"])
+    cfg = load_config(
+        p, ["loss.objective=grpo", "batch.micro_batch_size=2", "loss.hyper={eps_low: 0.1}"]
+    )
     assert isinstance(cfg, TrainConfig)
     assert cfg.optim.lr == 1e-5 and cfg.rollout.sampling.temperature == 0.7
     assert cfg.loss.objective == "grpo" and cfg.batch.micro_batch_size == 2
@@ -19,39 +21,67 @@ def test_defaults_and_overrides(tmp_path):
     cfg.validate(world_size=1)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("optim:\n  lrr: 1\n", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
-    ("rollot:\n  engine: embedded\n", "unknown config key 'rollot' (did you mean 'rollout'?)"),
-    ("batch:\n  micro_batch_size: 2.5\n", "batch.micro_batch_size: expected an integer, got 2.5"),
-    ("data:\n  shuffle: 1\n", "data.shuffle: expected true/false, got 1"),
-    ("optim:\n  lr: fast\n", "optim.lr: expected a number, got 'fast'"),
-    ("parallel: 4\n", "parallel: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("optim:\n  lrr: 1\n", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+        ("rollot:\n  engine: embedded\n", "unknown config key 'rollot' (did you mean 'rollout'?)"),
+        (
+            "batch:\n  micro_batch_size: 2.5\n",
+            "batch.micro_batch_size: expected an integer, got 2.5",
+        ),
+        ("data:\n  shuffle: 1\n", "data.shuffle: expected true/false, got 1"),
+        ("optim:\n  lr: fast\n", "optim.lr: expected a number, got 'fast'"),
+        ("parallel: 4\n", "parallel: expected a mapping"),
+    ],
+)
 def test_bad_recipes_one_clear_message(tmp_path, text, needle):
     with pytest.raises(ConfigError) as e:
         load_config(_write(tmp_path, text))
     assert needle in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("overrides,world,needle", [
-    (["parallel.tp=3"], 4, "world size 4 is not divisible by tp×pp×cp = 3×1×1 = 3"),
-    (["parallel.cp=2", "model.seq_length=30"], 2, "sequence length 30 is not divisible by 2×cp = 4"),
-    (["batch.prompts_per_rollout=3", "rollout.n_samples=3", "batch.minibatches=2"], 1,
-     "3 × 3 = 9 sequences do not split into minibatches=2"),
-    (["batch.prompts_per_rollout=6", "rollout.n_samples=2", "batch.micro_batch_size=4"], 2,
-     "12 sequences per optimizer step are not a multiple of dp × micro_batch_size = 2 × 4 = 8"),
-    (["loss.objective=p3oo"], 1, "did you mean 'p3o'"),
-    (["loss.hyper={eps: 0.1}", "loss.objective=dapo"], 1, "unknown hyper-parameter 'eps'"),
-    (["rollout.precision=fp4"], 1, "rollout.precision='fp4'"),
-    (["steps=0"], 1, "steps=0 must be >= 1"),
-    (["rollout.logprob_noise=-0.5"], 1, "rollout.logprob_noise=-0.5 must be >= 0"),
-    (["rollout.engine_temperature=0"], 1, "rollout.engine_temperature=0.0 must be > 0"),
-    (["replay.policy=fifo"], 1, "replay.policy='fifo'; choose 'none' or 'bapo'"),
-    (["replay.quality_min=0.9", "replay.quality_max=0.1"], 1, "replay.quality_min=0.9 > quality_max=0.1"),
-    (["rollout.engine=sglang", "rollout.weight_sync=disk"], 1, "rollout.weight_sync=disk needs rollout.weight_sync_dir"),
-    (["rollout.weight_sync=ipc"], 1, "rollout.weight_sync='ipc'"),
-    (["parallel.world_size=8"], 2, "written for 8 GPUs but the launch has 2 ranks"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,needle",
+    [
+        (["parallel.tp=3"], 4, "world size 4 is not divisible by tp×pp×cp = 3×1×1 = 3"),
+        (
+            ["parallel.cp=2", "model.seq_length=30"],
+            2,
+            "sequence length 30 is not divisible by 2×cp = 4",
+        ),
+        (
+            ["batch.prompts_per_rollout=3", "rollout.n_samples=3", "batch.minibatches=2"],
+            1,
+            "3 × 3 = 9 sequences do not split into minibatches=2",
+        ),
+        (
+            ["batch.prompts_per_rollout=6", "rollout.n_samples=2", "batch.micro_batch_size=4"],
+            2,
+            "12 sequences per optimizer step are not a multiple of dp × micro_batch_size = "
+            "2 × 4 = 8",
+        ),
+        (["loss.objective=p3oo"], 1, "did you mean 'p3o'"),
+        (["loss.hyper={eps: 0.1}", "loss.objective=dapo"], 1, "unknown hyper-parameter 'eps'"),
+        (["rollout.precision=fp4"], 1, "rollout.precision='fp4'"),
+        (["steps=0"], 1, "steps=0 must be >= 1"),
+        (["rollout.logprob_noise=-0.5"], 1, "rollout.logprob_noise=-0.5 must be >= 0"),
+        (["rollout.engine_temperature=0"], 1, "rollout.engine_temperature=0.0 must be > 0"),
+        (["replay.policy=fifo"], 1, "replay.policy='fifo'; choose 'none' or 'bapo'"),
+        (
+            ["replay.quality_min=0.9", "replay.quality_max=0.1"],
+            1,
+            "replay.quality_min=0.9 > quality_max=0.1",
+        ),
+        (
+            ["rollout.engine=sglang", "rollout.weight_sync=disk"],
+            1,
+            "rollout.weight_sync=disk needs rollout.weight_sync_dir",
+        ),
+        (["rollout.weight_sync=ipc"], 1, "rollout.weight_sync='ipc'"),
+        (["parallel.world_size=8"], 2, "written for 8 GPUs but the launch has 2 ranks"),
+    ],
+)
 def test_validation_names_the_numbers(overrides, world, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides).validate(world)

@@ -5,8 +5,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from megatron_p3o.rollout.embedded import (EmbeddedEngine, fp8_quant_dequant, max_abs_diff,
-                                           sampling_logprobs)
+from megatron_p3o.rollout.embedded import (
+    EmbeddedEngine,
+    fp8_quant_dequant,
+    max_abs_diff,
+    sampling_logprobs,
+)
 from megatron_p3o.rollout.engine import check_behaviour_semantics
 from megatron_p3o.types import SamplingError, SamplingParams
 
@@ -15,8 +19,15 @@ PROMPTS = [[1, 2, 3, 4], [7, 8], [9, 10, 11, 12, 13, 14]]
 
 @pytest.fixture(scope="module")
 def hf_model():
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -49,8 +60,10 @@ def test_fp32_engine_matches_transformers_forward(hf_model):
     s = e.generate([PROMPTS[0]], 1, sp)[0]
     ids = torch.tensor([s.prompt_ids + s.completion_ids])
     with torch.no_grad():
-        logits = hf_model(ids).logits[0, len(s.prompt_ids) - 1:-1].double()
-    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+        logits = hf_model(ids).logits[0, len(s.prompt_ids) - 1 : -1].double()
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[
+        :, 0
+    ]
     assert (torch.tensor(s.logprobs, dtype=torch.float64) - ref).abs().max() < 1e-5
 
 
@@ -60,8 +73,10 @@ def test_lower_precisions_differ_measurably(hf_model):
     samples = ref.generate(PROMPTS, 1, sp)
     comp = [s.completion_ids for s in samples]
     base = ref.score(PROMPTS, comp, sp)
-    diffs = {p: max_abs_diff(_engine(hf_model, p).score(PROMPTS, comp, sp), base)
-             for p in ("bf16", "fp16", "fp8", "fp8_block")}
+    diffs = {
+        p: max_abs_diff(_engine(hf_model, p).score(PROMPTS, comp, sp), base)
+        for p in ("bf16", "fp16", "fp8", "fp8_block")
+    }
     assert all(d > 1e-5 for d in diffs.values()), diffs
     assert diffs["fp16"] < diffs["bf16"], diffs  # fp16 has 3 more mantissa bits
 
@@ -108,15 +123,20 @@ def test_fp8_simulation_rounds_like_e4m3():
     assert torch.equal(q, (w / scale).to(torch.float8_e4m3fn).float() * scale)
 
 
-@pytest.mark.parametrize("kw,needle", [
-    (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
-    (dict(top_p=1.5), "top_p=1.5"),
-    (dict(max_new_tokens=0), "max_new_tokens=0"),
-    (dict(temperature=0.0), "temperature=0.0"),
-    (dict(top_k=-1), "top_k=-1"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(max_new_tokens=0), "max_new_tokens=0"),
+        (dict(temperature=0.0), "temperature=0.0"),
+        (dict(top_k=-1), "top_k=-1"),
+    ],
+)
 def test_bad_sampling_params(kw, needle):
-    with pytest.raises(SamplingError, match=needle.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+    with pytest.raises(
+        SamplingError, match=needle.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
+    ):
         SamplingParams(**kw)
 
 

@@ -10,13 +10,16 @@ def test_layout_resolves_dp():
     assert Layout(cp=2).resolve(2).dp == 1
 
 
-@pytest.mark.parametrize("layout,world,needle", [
-    (Layout(tp=3), 4, "world size 4 is not divisible by tp×pp×cp = 3×1×1 = 3"),
-    (Layout(tp=2, dp=4), 4, "dp=4 but world size 4 / (tp×pp×cp = 2) = 2"),
-    (Layout(tp=0), 4, "tp=0 must be >= 1"),
-    (Layout(vpp=2), 2, "vpp=2 needs pp >= 2"),
-    (Layout(sequence_parallel=True), 2, "sequence_parallel=True needs tp > 1"),
-])
+@pytest.mark.parametrize(
+    "layout,world,needle",
+    [
+        (Layout(tp=3), 4, "world size 4 is not divisible by tp×pp×cp = 3×1×1 = 3"),
+        (Layout(tp=2, dp=4), 4, "dp=4 but world size 4 / (tp×pp×cp = 2) = 2"),
+        (Layout(tp=0), 4, "tp=0 must be >= 1"),
+        (Layout(vpp=2), 2, "vpp=2 needs pp >= 2"),
+        (Layout(sequence_parallel=True), 2, "sequence_parallel=True needs tp > 1"),
+    ],
+)
 def test_impossible_layouts_name_the_numbers(layout, world, needle):
     with pytest.raises(LayoutError) as e:
         layout.resolve(world)
@@ -52,17 +55,33 @@ def test_padded_vocab_is_tp_invariant_for_powers_of_two():
 
 
 def _hf(**kw):
-    base = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=64,
-                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
-                tie_word_embeddings=True, hidden_act="silu")
+    base = dict(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+    )
     base.update(kw)
     return base
 
 
 def test_description_reads_hf_fields():
     d = ModelDescription.from_hf_config(_hf())
-    assert (d.family, d.head_dim, d.qk_norm, d.qkv_bias, d.tie_word_embeddings) == ("qwen3", 32, True, False, True)
+    assert (d.family, d.head_dim, d.qk_norm, d.qkv_bias, d.tie_word_embeddings) == (
+        "qwen3",
+        32,
+        True,
+        False,
+        True,
+    )
     q2 = ModelDescription.from_hf_config(_hf(architectures=["Qwen2ForCausalLM"], head_dim=None))
     assert q2.qkv_bias and not q2.qk_norm and q2.head_dim == 16
     assert ModelDescription.from_dict(d.to_dict()) == d

@@ -25,7 +25,9 @@ def _data(old_noise: float, seed: int = 0):
     rewards = torch.rand(B, generator=g, dtype=torch.float64)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     lb = torch.where(mask > 0, lb, torch.full_like(lb, float("nan")))  # garbage at padding
-    return dict(lp=lp, lb=lb, lold=lold, lref=lref, mask=mask, adv=adv, rewards=rewards, groups=groups)
+    return dict(
+        lp=lp, lb=lb, lold=lold, lref=lref, mask=mask, adv=adv, rewards=rewards, groups=groups
+    )
 
 
 def _d(a, b, m):
@@ -34,7 +36,7 @@ def _d(a, b, m):
 
 def _ess(lp, anchor, m):
     rho = torch.exp(_d(lp, anchor, m)) * m
-    return (rho.sum() ** 2 / (m.sum() * (rho ** 2).sum())).item()
+    return (rho.sum() ** 2 / (m.sum() * (rho**2).sum())).item()
 
 
 def _k3(lp, anchor, m):
@@ -108,14 +110,28 @@ def ref_loss(name, x):
         rho = torch.exp(_d(lp, lb, m)).detach()
         wb, wp, dl = 1 - eb, 1 - ep, 1e-6
         lbs = torch.where(m > 0, lb, torch.zeros_like(lb))
-        mix = torch.logsumexp(torch.stack([math.log(wb + dl) + lbs, math.log(wp + dl) + lold]), 0) \
-            - math.log(wb + wp + 2 * dl)
+        mix = torch.logsumexp(
+            torch.stack([math.log(wb + dl) + lbs, math.log(wp + dl) + lold]), 0
+        ) - math.log(wb + wp + 2 * dl)
         return _tok_mean(-torch.clamp(rho, max=e) * A * lp + (1 - e) * _k3(lp, mix, m), m)
     raise KeyError(name)
 
 
-NAMES = ["p3o", "p4o", "reinforce", "ppo", "grpo", "dapo", "tis", "mis", "gspo", "gspo_token",
-         "cispo", "decoupled_ppo", "oapl"]
+NAMES = [
+    "p3o",
+    "p4o",
+    "reinforce",
+    "ppo",
+    "grpo",
+    "dapo",
+    "tis",
+    "mis",
+    "gspo",
+    "gspo_token",
+    "cispo",
+    "decoupled_ppo",
+    "oapl",
+]
 
 
 @pytest.mark.parametrize("old_noise", [0.3, 1e-4])
@@ -123,13 +139,24 @@ NAMES = ["p3o", "p4o", "reinforce", "ppo", "grpo", "dapo", "tis", "mis", "gspo",
 def test_objective_matches_float64_reference(name, old_noise):
     x = _data(old_noise)
     lp = x["lp"].clone().requires_grad_()
-    loss, metrics = policy_loss(name, lp, x["lb"], x["adv"], x["mask"], old_logprobs=x["lold"],
-                                ref_logprobs=x["lref"], rewards=x["rewards"], group_ids=x["groups"])
+    loss, metrics = policy_loss(
+        name,
+        lp,
+        x["lb"],
+        x["adv"],
+        x["mask"],
+        old_logprobs=x["lold"],
+        ref_logprobs=x["lref"],
+        rewards=x["rewards"],
+        group_ids=x["groups"],
+    )
     (g,) = torch.autograd.grad(loss, lp)
     lp_ref = x["lp"].clone().requires_grad_()
     ref = ref_loss(name, {**x, "lp": lp_ref})
     (g_ref,) = torch.autograd.grad(ref, lp_ref)
-    assert torch.isfinite(loss) and abs(float(loss) - float(ref)) <= 1e-9 * max(1.0, abs(float(ref))), (float(loss), float(ref))
+    assert torch.isfinite(loss) and abs(float(loss) - float(ref)) <= 1e-9 * max(
+        1.0, abs(float(ref))
+    ), (float(loss), float(ref))
     assert g_ref.abs().sum() > 0
     assert torch.allclose(g, g_ref, rtol=1e-7, atol=1e-10), (g - g_ref).abs().max()
     assert (g[x["mask"] == 0] == 0).all(), "padded tokens must get no gradient"
@@ -150,8 +177,10 @@ def test_ess_is_one_on_policy_and_falls_with_noise():
     assert abs(m0["ess"] - 1.0) < 1e-12
     g = torch.Generator().manual_seed(5)
     z = torch.randn(B, T, generator=g, dtype=torch.float64)
-    esses = [policy_loss("p3o", x["lp"], x["lp"] + s * z, x["adv"], x["mask"])[1]["ess"]
-             for s in (0.05, 0.2, 0.5, 1.0, 2.0)]
+    esses = [
+        policy_loss("p3o", x["lp"], x["lp"] + s * z, x["adv"], x["mask"])[1]["ess"]
+        for s in (0.05, 0.2, 0.5, 1.0, 2.0)
+    ]
     assert all(a > b for a, b in zip(esses, esses[1:])), esses
     assert esses[-1] > 1.0 / x["mask"].sum()
 
@@ -173,8 +202,9 @@ def test_nan_behaviour_logprob_names_the_sample():
     lb = x["lb"].clone()
     lb[4, int(x["mask"][4].nonzero()[0])] = float("nan")
     with pytest.raises(NonFiniteLogprobError, match="sample 'prompt-17/4'"):
-        policy_loss("p3o", x["lp"], lb, x["adv"], x["mask"],
-                    sample_ids=[f"prompt-17/{i}" for i in range(B)])
+        policy_loss(
+            "p3o", x["lp"], lb, x["adv"], x["mask"], sample_ids=[f"prompt-17/{i}" for i in range(B)]
+        )
 
 
 def test_empty_step_is_an_error_not_ess_one():
@@ -187,7 +217,9 @@ def test_unknown_objective_and_hyper_are_named():
     x = _data(0.3)
     with pytest.raises(ValueError, match="did you mean .gspo_token."):
         policy_loss("gspo_tokn", x["lp"], x["lb"], x["adv"], x["mask"])
-    with pytest.raises(ValueError, match="unknown hyper-parameter 'eps_hgh'.*did you mean 'eps_high'"):
+    with pytest.raises(
+        ValueError, match="unknown hyper-parameter 'eps_hgh'.*did you mean 'eps_high'"
+    ):
         policy_loss("dapo", x["lp"], x["lb"], x["adv"], x["mask"], eps_hgh=0.3)
 
 

@@ -15,7 +15,11 @@ from megatron_p3o.plan import layer_params, make_plan
 from megatron_p3o.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if "objectives" not in yaml.safe_load(p.read_text()))
+RECIPES = sorted(
+    p
+    for p in (ROOT / "recipes").glob("*.yaml")
+    if "objectives" not in yaml.safe_load(p.read_text())
+)
 GRIDS = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p not in RECIPES)
 
 
@@ -34,9 +38,13 @@ def test_dry_run_names_the_problem(capsys, monkeypatch):
     r = ROOT / "recipes/qwen3_8b_h100x8.yaml"
     assert main([str(r), "--dry-run", "--world-size", "6"]) == 2
     assert "written for 4 GPUs but the launch has 6" in capsys.readouterr().err
-    assert main([str(r), "--dry-run", "--set", "parallel.world_size=6", "--set", "parallel.tp=4"]) == 2
+    assert (
+        main([str(r), "--dry-run", "--set", "parallel.world_size=6", "--set", "parallel.tp=4"]) == 2
+    )
     assert "world size 6 is not divisible by tp×pp×cp = 4×1×1 = 4" in capsys.readouterr().err
-    assert main([str(r), "--dry-run", "--set", "parallel.tp=3", "--set", "parallel.world_size=6"]) == 2
+    assert (
+        main([str(r), "--dry-run", "--set", "parallel.tp=3", "--set", "parallel.world_size=6"]) == 2
+    )
     assert "num_attention_heads=32 is not divisible by tp=3" in capsys.readouterr().err
     assert main([str(r), "--dry-run", "--set", "batch.micro_batch_size=3"]) == 2
     assert "not a multiple of dp × micro_batch_size = 2 × 3 = 6" in capsys.readouterr().err
@@ -48,12 +56,24 @@ def test_parameter_count_matches_transformers(name):
 
     raw = json.loads((ROOT / "recipes/models" / name / "config.json").read_text())
     desc = ModelDescription.from_hf_config(raw)
-    kw = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    kw = {
+        k: v
+        for k, v in raw.items()
+        if k not in ("architectures", "model_type", "torch_dtype", "dtype")
+    }
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw["model_type"], **kw))
     ref = sum(p.numel() for p in model.parameters())
-    cfg = load_config(None, [f"model.hf_config=recipes/models/{name}/config.json", "model.seq_length=64",
-                             "batch.prompts_per_rollout=4", "rollout.n_samples=1", "batch.micro_batch_size=1"])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf_config=recipes/models/{name}/config.json",
+            "model.seq_length=64",
+            "batch.prompts_per_rollout=4",
+            "rollout.n_samples=1",
+            "batch.micro_batch_size=1",
+        ],
+    )
     plan = make_plan(cfg, 1, desc, divisible_by=1)
     assert plan.params_total == ref, (plan.params_total, ref)
     sharded, replicated = layer_params(desc)
@@ -82,11 +102,16 @@ def test_grid_errors_name_the_key(tmp_path, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     g = tmp_path / "g.yaml"
-    g.write_text("base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o, hyper: {clip: 1}}}\n"
-                 "mismatch: {a: {set: {}}}\n")
+    g.write_text(
+        "base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o, hyper: {clip: 1}}}\n"
+        "mismatch: {a: {set: {}}}\n"
+    )
     grid = load_grid(g)
     with pytest.raises(ConfigError, match="cell x__a__s1: loss: .*clip"):
         cell_config(grid, cells(grid)[0])
-    g.write_text("base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o}}\nmismatch: {a: {famly: b}}\n")
+    g.write_text(
+        "base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o}}\n"
+        "mismatch: {a: {famly: b}}\n"
+    )
     with pytest.raises(ConfigError, match="famly"):
         load_grid(g)

@@ -31,6 +31,7 @@ class RecordingEngine(RolloutEngine):
     def __init__(self, delay=0.0):
         self.weight_version, self.calls, self.loads, self.delay = -1, [], [], delay
         self.busy = threading.Lock()
+        self.started = threading.Semaphore(0)  # released when a generate call begins
 
     def update_weights(self, buckets, version):
         list(buckets)
@@ -42,12 +43,23 @@ class RecordingEngine(RolloutEngine):
 
     def generate(self, prompts, n, sampling):
         assert self.busy.acquire(blocking=False), "generate entered twice at once"
+        self.started.release()
         try:
             time.sleep(self.delay)
             self.calls.append((self.weight_version, [p[0] for p in prompts], sampling.seed))
             g = torch.Generator().manual_seed(sampling.seed)
-            return [Sample(list(p), [int(torch.randint(0, 9, (1,), generator=g))], [-0.5], "stop",
-                           self.weight_version, group_id=i) for i, p in enumerate(prompts) for _ in range(n)]
+            return [
+                Sample(
+                    list(p),
+                    [int(torch.randint(0, 9, (1,), generator=g))],
+                    [-0.5],
+                    "stop",
+                    self.weight_version,
+                    group_id=i,
+                )
+                for i, p in enumerate(prompts)
+                for _ in range(n)
+            ]
         finally:
             self.busy.release()
 
@@ -56,7 +68,9 @@ def data_file(tmp_path, n=40):
     p = tmp_path / "d.jsonl"
     # answer: "mixed" groups alternate 0/1 rewards; "zero"/"one" groups are all-equal
     kinds = ["mixed", "zero", "one", "mixed", "zero"]
-    p.write_text("".join(json.dumps({"prompt": str(i), "answer": kinds[i % 5]}) + "\n" for i in range(n)))
+    p.write_text(
+        "".join(json.dumps({"prompt": str(i), "answer": kinds[i % 5]}) + "\n" for i in range(n))
+    )
     return p
 
 
@@ -71,10 +85,20 @@ def score(samples, answers):
 W = [("w", torch.zeros(2))]
 
 
-def make(tmp_path, K=0, L=1, start=0, dynamic=False, rounds=3, engine=None, dp_rank=0, dp=1, prompts=4):
+def make(
+    tmp_path, K=0, L=1, start=0, dynamic=False, rounds=3, engine=None, dp_rank=0, dp=1, prompts=4
+):
     data = PromptData(str(data_file(tmp_path)), Tok(), seed=3, dp_rank=dp_rank, dp_size=dp)
-    plan = RolloutPlan(prompts=prompts, n_samples=2, sampling=SamplingParams(max_new_tokens=1),
-                       sync_every=L, max_staleness=K, dynamic_sampling=dynamic, max_rounds=rounds, seed=5)
+    plan = RolloutPlan(
+        prompts=prompts,
+        n_samples=2,
+        sampling=SamplingParams(max_new_tokens=1),
+        sync_every=L,
+        max_staleness=K,
+        dynamic_sampling=dynamic,
+        max_rounds=rounds,
+        seed=5,
+    )
     eng = engine or RecordingEngine()
     return RolloutScheduler(eng, data, score, plan, start, W), eng, data
 
@@ -101,19 +125,20 @@ def test_weight_version_schedule(tmp_path, K, L):
 def test_async_overlaps_and_matches_sync_batches(tmp_path):
     """K=1: batch j+1 is generated while step j trains, and its content equals what a
     synchronous run with the same (lagged) weight versions produces."""
-    eng = RecordingEngine(delay=0.2)
+    eng = RecordingEngine()
     (tmp_path / "a").mkdir()
     sched, _, _ = make(tmp_path / "a", K=1, engine=eng)
-    t0 = time.perf_counter()
     first = sched.next()
+    assert eng.started.acquire(timeout=60)  # batch 0
     for s in range(4):
-        time.sleep(0.2)  # "training" step s
+        # "training" step s: with K=1 batch s+1 is generated meanwhile, before step s publishes.
+        # No clock: a serial scheduler would never start it here and the wait would time out.
+        if s < 3:
+            assert eng.started.acquire(timeout=60), f"batch {s + 1} did not start during step {s}"
         sched.publish(s, s + 1, W)
         if s < 3:
             sched.next()
-    elapsed = time.perf_counter() - t0
     sched.stop()
-    assert elapsed < 0.2 * 4 + 0.2 * 4 - 0.3, elapsed  # serial would be ≥ 1.6 s
     (tmp_path / "b").mkdir()
     ref_eng = RecordingEngine()
     ref, _, _ = make(tmp_path / "b", K=0, engine=ref_eng)
@@ -169,13 +194,19 @@ def test_scheduler_state_restarts_the_same_batch(tmp_path):
     again.stop()
     assert [g.index for g in b1r.groups] == [g.index for g in b1.groups]
     assert [g.index for g in b2r.groups] == [g.index for g in b2.groups]
-    assert [s.completion_ids for g in b2r.groups for s in g.samples] == \
-        [s.completion_ids for g in b2.groups for s in g.samples]
+    assert [s.completion_ids for g in b2r.groups for s in g.samples] == [
+        s.completion_ids for g in b2.groups for s in g.samples
+    ]
 
 
 def _group(index, rewards, version=0, source="fresh"):
-    return Group(index, [index], "a", [Sample([index], [1], [-0.1], "stop", version, reward=r) for r in rewards],
-                 source)
+    return Group(
+        index,
+        [index],
+        "a",
+        [Sample([index], [1], [-0.1], "stop", version, reward=r) for r in rewards],
+        source,
+    )
 
 
 def test_bapo_swaps_homogeneous_for_stored_and_reevaluates_difficult():
@@ -183,7 +214,9 @@ def test_bapo_swaps_homogeneous_for_stored_and_reevaluates_difficult():
     out, st = buf.compose([_group(1, [0, 1]), _group(2, [0, 0]), _group(3, [1, 1])], version=0)
     assert [g.index for g in out] == [1, 2, 3] and st["replay_groups"] == 0  # nothing stored yet
     out, st = buf.compose([_group(4, [1, 1]), _group(5, [0, 1])], version=1)
-    assert [g.index for g in out] == [1, 5] and out[0].source == "replay" and st["replay_groups"] == 1
+    assert (
+        [g.index for g in out] == [1, 5] and out[0].source == "replay" and st["replay_groups"] == 1
+    )
     # group 1 used twice = 1 + max_reuse: not offered again; group 5 is, until it is too old
     out, _ = buf.compose([_group(6, [0, 0]), _group(7, [1, 1])], version=2)
     assert [g.index for g in out] == [5, 7]
@@ -200,7 +233,9 @@ def test_bapo_state_round_trip():
     again.load_state(json.loads(json.dumps(buf.state())))
     out_a, _ = buf.compose([_group(3, [1, 1])], version=1)
     out_b, _ = again.compose([_group(3, [1, 1])], version=1)
-    assert [(g.index, g.uses, g.rewards) for g in out_a] == [(g.index, g.uses, g.rewards) for g in out_b]
+    assert [(g.index, g.uses, g.rewards) for g in out_a] == [
+        (g.index, g.uses, g.rewards) for g in out_b
+    ]
     assert buf.take_reeval() == again.take_reeval() == [(2, [2], "a")]
 
 

@@ -10,20 +10,36 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.rollout.sglang_engine import (EngineResponseError, EngineUnavailableError,
-                                                SGLangConfig, SGLangEngine, generate_payload,
-                                                launch_command, parse_generate_response)
+from megatron_p3o.rollout.sglang_engine import (
+    EngineResponseError,
+    EngineUnavailableError,
+    SGLangConfig,
+    SGLangEngine,
+    generate_payload,
+    launch_command,
+    parse_generate_response,
+)
 from megatron_p3o.types import SamplingParams
 
-FIXTURE = json.loads((Path(__file__).parent.parent / "fixtures" / "sglang_generate_response.json").read_text())
+FIXTURE = json.loads(
+    (Path(__file__).parent.parent / "fixtures" / "sglang_generate_response.json").read_text()
+)
 
 
 def test_generate_payload_fields():
-    p = generate_payload([1, 2, 3], SamplingParams(temperature=0.7, max_new_tokens=9,
-                                                   stop_token_ids=(2,)), seed=5)
-    assert p["input_ids"] == [1, 2, 3] and p["return_logprob"] is True and p["logprob_start_len"] == -1
-    assert p["sampling_params"] == {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 9,
-                                    "stop_token_ids": [2], "sampling_seed": 5}
+    p = generate_payload(
+        [1, 2, 3], SamplingParams(temperature=0.7, max_new_tokens=9, stop_token_ids=(2,)), seed=5
+    )
+    assert (
+        p["input_ids"] == [1, 2, 3] and p["return_logprob"] is True and p["logprob_start_len"] == -1
+    )
+    assert p["sampling_params"] == {
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "max_new_tokens": 9,
+        "stop_token_ids": [2],
+        "sampling_seed": 5,
+    }
     assert "top_k" not in p["sampling_params"]  # 0 = off: let SGLang keep its "all tokens"
     assert generate_payload([1], SamplingParams(top_k=20), None)["sampling_params"]["top_k"] == 20
 
@@ -34,12 +50,21 @@ def test_parse_response_fixture():
     assert s.finish_reason == "stop" and s.weight_version == 3 and s.group_id == 2
 
 
-@pytest.mark.parametrize("mutate,needle", [
-    (lambda r: r["meta_info"].update(finish_reason={"type": "abort", "message": "oom"}), "abort"),
-    (lambda r: r["meta_info"]["output_token_logprobs"][2].__setitem__(0, float("nan")), "token 2"),
-    (lambda r: r.update(output_ids=[1, 2]), "disagree"),
-    (lambda r: r["meta_info"].pop("output_token_logprobs"), "return_logprob"),
-])
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (
+            lambda r: r["meta_info"].update(finish_reason={"type": "abort", "message": "oom"}),
+            "abort",
+        ),
+        (
+            lambda r: r["meta_info"]["output_token_logprobs"][2].__setitem__(0, float("nan")),
+            "token 2",
+        ),
+        (lambda r: r.update(output_ids=[1, 2]), "disagree"),
+        (lambda r: r["meta_info"].pop("output_token_logprobs"), "return_logprob"),
+    ],
+)
 def test_parse_response_refuses_bad_samples(mutate, needle):
     r = json.loads(json.dumps(FIXTURE))
     mutate(r)
@@ -48,11 +73,20 @@ def test_parse_response_refuses_bad_samples(mutate, needle):
 
 
 def test_launch_command():
-    cmd = launch_command(SGLangConfig(model_path="/m", quantization="fp8", kv_cache_dtype="fp8_e5m2",
-                                      tp_size=2, port=31000))
+    cmd = launch_command(
+        SGLangConfig(
+            model_path="/m", quantization="fp8", kv_cache_dtype="fp8_e5m2", tp_size=2, port=31000
+        )
+    )
     joined = " ".join(cmd)
-    for part in ("-m sglang.launch_server", "--model-path /m", "--quantization fp8",
-                 "--kv-cache-dtype fp8_e5m2", "--tp-size 2", "--port 31000"):
+    for part in (
+        "-m sglang.launch_server",
+        "--model-path /m",
+        "--quantization fp8",
+        "--kv-cache-dtype fp8_e5m2",
+        "--tp-size 2",
+        "--port 31000",
+    ):
         assert part in joined
     with pytest.raises(ValueError, match="model_path"):
         launch_command(SGLangConfig())
@@ -79,9 +113,15 @@ class _StandIn(BaseHTTPRequestHandler):
             _StandIn.max_in_flight = max(_StandIn.max_in_flight, _StandIn.in_flight)
         time.sleep(0.05)
         ids = list(reversed(body["input_ids"]))[: body["sampling_params"]["max_new_tokens"]]
-        resp = {"output_ids": ids, "meta_info": {
-            "id": "r", "finish_reason": {"type": "length", "length": len(ids)}, "weight_version": "9",
-            "output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(ids)]}}
+        resp = {
+            "output_ids": ids,
+            "meta_info": {
+                "id": "r",
+                "finish_reason": {"type": "length", "length": len(ids)},
+                "weight_version": "9",
+                "output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(ids)],
+            },
+        }
         data = json.dumps(resp).encode()
         with _StandIn.lock:
             _StandIn.in_flight -= 1
@@ -107,8 +147,11 @@ def test_generate_against_stand_in_server(stand_in):
     _StandIn.max_in_flight = 0
     with SGLangEngine(SGLangConfig(url=url, max_concurrency=4, startup_timeout_s=10)) as eng:
         assert eng.health()["ok"]
-        samples = eng.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], n=3,
-                               sampling=SamplingParams(max_new_tokens=2, seed=1))
+        samples = eng.generate(
+            [[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+            n=3,
+            sampling=SamplingParams(max_new_tokens=2, seed=1),
+        )
     assert [s.group_id for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert samples[0].completion_ids == [3, 2] and samples[0].logprobs == [-0.1, -0.2]
     assert all(s.weight_version == 9 for s in samples)
@@ -117,7 +160,9 @@ def test_generate_against_stand_in_server(stand_in):
 
 def test_dead_server_gives_one_clear_error(stand_in):
     port = stand_in.server_address[1]
-    eng = SGLangEngine(SGLangConfig(url=f"http://127.0.0.1:{port}", max_retries=1, request_timeout_s=2))
+    eng = SGLangEngine(
+        SGLangConfig(url=f"http://127.0.0.1:{port}", max_retries=1, request_timeout_s=2)
+    )
     stand_in.shutdown()
     stand_in.server_close()
     stand_in.closed_by_test = True

@@ -20,23 +20,42 @@ def _run(tmp_path, recipe, nodes):
     fakes = {
         "scontrol": "#!/bin/sh\n" + "".join(f"echo n{i}\n" for i in range(1, nodes + 1)),
         # records the task's CUDA_VISIBLE_DEVICES (set with env) and the command line
-        "srun": f"#!/bin/sh\ncvd=$(echo \"$*\" | sed -n 's/.* env CUDA_VISIBLE_DEVICES=\\([0-9,]*\\) .*/\\1/p')\n"
-                f"echo \"$cvd|$*\" >> {log}\n",
+        "srun": '#!/bin/sh\ncvd=$(echo "$*" | '
+        "sed -n 's/.* env CUDA_VISIBLE_DEVICES=\\([0-9,]*\\) .*/\\1/p')\n"
+        f'echo "$cvd|$*" >> {log}\n',
         "curl": "#!/bin/sh\nexit 0\n",
     }
     for name, text in fakes.items():
         (bin_ / name).write_text(text)
         (bin_ / name).chmod(stat.S_IRWXU)
-    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
-           "SLURM_JOB_ID": "7", "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run(["bash", str(ROOT / "tools/slurm/p3o.sbatch"), recipe], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "x",
+        "SLURM_JOB_ID": "7",
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONWARNINGS": "ignore",
+    }
+    # from a scratch directory (with the recipes' relative paths valid there): nothing may be
+    # written into the repository
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    r = subprocess.run(
+        ["bash", str(ROOT / "tools/slurm/p3o.sbatch"), recipe],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     import time
 
     for _ in range(100):  # servers and router are launched in the background (&): let them log
         lines = log.read_text().splitlines()
-        if any("torch.distributed.run" in x for x in lines) and (nodes == 1 or any("sglang_router" in x for x in lines)):
+        if any("torch.distributed.run" in x for x in lines) and (
+            nodes == 1 or any("sglang_router" in x for x in lines)
+        ):
             break
         time.sleep(0.1)
     return [line.split("|", 1) for line in log.read_text().splitlines()]
@@ -44,18 +63,36 @@ def _run(tmp_path, recipe, nodes):
 
 def test_multi_node_placement(tmp_path):
     calls = _run(tmp_path, "recipes/qwen3_32b_h100x32.yaml", nodes=4)
+    import yaml
+
+    run = yaml.safe_load((ROOT / "recipes/qwen3_32b_h100x32.yaml").read_text())["run"]
+    logs = tmp_path / run.get("dir", "runs") / run["name"] / "logs"
+    assert logs.is_dir(), "server logs belong under the run directory"
+    assert not list(tmp_path.glob("sglang-*.log")) and not list(tmp_path.glob("router-*.log"))
     servers = [c for c in calls if "sglang.launch_server" in c[1]]
     train = [c for c in calls if "torch.distributed.run" in c[1]]
     router = [c for c in calls if "sglang_router" in c[1]]
     assert len(servers) == 4 and {c[0] for c in servers} == {"0,1,2,3", "4,5,6,7"}
     assert sorted(c[1].split("-w ")[1].split()[0] for c in servers) == ["n3", "n3", "n4", "n4"]
-    assert all("--tp-size 4" in c[1] and "--quantization fp8" in c[1] and "--kv-cache-dtype fp8_e5m2" in c[1]
-               for c in servers)
+    assert all(
+        "--tp-size 4" in c[1]
+        and "--quantization fp8" in c[1]
+        and "--kv-cache-dtype fp8_e5m2" in c[1]
+        for c in servers
+    )
     assert len(router) == 1 and len(train) == 1
     t = train[0][1]
-    assert "-w n1,n2" in t and "--nnodes 2" in t and "--nproc-per-node 8" in t and "--rdzv-backend c10d" in t
+    assert (
+        "-w n1,n2" in t
+        and "--nnodes 2" in t
+        and "--nproc-per-node 8" in t
+        and "--rdzv-backend c10d" in t
+    )
     assert "rollout.sglang.url=http://n3:30080" in t
-    assert 'rollout.sglang_workers=["http://n3:30000","http://n3:30001","http://n4:30000","http://n4:30001"]' in t
+    assert (
+        'rollout.sglang_workers=["http://n3:30000","http://n3:30001","http://n4:30000","http://n4:30001"]'
+        in t
+    )
 
 
 def test_single_node_shares_gpus(tmp_path):

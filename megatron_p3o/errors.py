@@ -1,0 +1,79 @@
+"""User errors and how the command-line tools report them.
+
+Why: a typo in a recipe, a missing checkpoint or a dead rollout server is the user's to fix, and
+a 30-line traceback (prefixed ``[rank0]:`` under torchrun) buries the one line that says how.
+Every such error derives from :class:`UserError`; :func:`run_cli` prints its message once (rank 0
+under torchrun), on one line, on stderr, and exits with status 2. ``--debug`` or ``P3O_DEBUG=1``
+re-raises it with its traceback. Anything else is a programming error and keeps its traceback.
+
+The specific classes also derive from the builtin a caller would catch (``ValueError``,
+``FileNotFoundError``, …), so library code can keep catching those.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Bad input: a recipe key or value, a file, a layout, a checkpoint, rollout data."""
+
+
+class InputFileError(UserError, FileNotFoundError):
+    """A file or directory the user named does not exist or is not what it should be."""
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """An output directory exists already; nothing is overwritten."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint is missing, incomplete, or does not match the model it is loaded into."""
+
+
+class DataError(UserError, ValueError):
+    """A prompt file or a rollout sample is malformed (the message names the row or sample)."""
+
+
+def _debug(argv: Sequence[str]) -> bool:
+    return "--debug" in argv or os.environ.get("P3O_DEBUG", "") not in ("", "0")
+
+
+def _is_reporting_rank() -> bool:
+    """Rank 0 reports (every rank raises the same error; one line is enough)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    return os.environ.get("RANK", "0") == "0"
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on a single line."""
+    text = str(err).strip() or type(err).__name__
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def run_cli(main: Callable[[Optional[Sequence[str]]], int], prog: str) -> None:
+    """``sys.exit(main(argv))``, reporting a :class:`UserError` as ``prog: error: message``."""
+    from .quiet import silence_known_warnings
+
+    silence_known_warnings()
+    argv = sys.argv[1:]
+    debug = _debug(argv)
+    try:
+        code = main([a for a in argv if a != "--debug"])
+    except UserError as e:
+        if debug:
+            raise
+        if _is_reporting_rank():
+            print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        code = EXIT_USER_ERROR
+    sys.exit(code)
