@@ -30,7 +30,7 @@ def main():
     from rich.table import Table
 
     from megatron_p3o.loss import build_objective
-    from megatron_p3o.loss.step_loss import StepLoss, StepLossConfig
+    from megatron_p3o.policy_update import LossConfig, PolicyUpdate
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
     from megatron_p3o.model.forward import next_token_targets
@@ -81,7 +81,7 @@ def main():
         return mbs
 
     losses = {
-        s: StepLoss(build_objective("p3o"), groups, a.vocab, StepLossConfig(ess_scope=s))
+        s: PolicyUpdate(build_objective("p3o"), groups, a.vocab, LossConfig(ess_scope=s))
         for s in ("step", "microbatch")
     }
     times = {s: [] for s in losses}

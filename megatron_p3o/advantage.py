@@ -8,8 +8,20 @@ Each returns ``[B]`` (one value per sequence) and is broadcast to tokens by the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """Attributes: kind (grpo, dr_grpo, rloo) and eps (GRPO's std floor)."""
+
+    kind: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    eps: float = 1e-6
+
 
 KINDS = ("grpo", "dr_grpo", "rloo")
 

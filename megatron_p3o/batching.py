@@ -7,6 +7,7 @@ log-prob, its advantage and a 1 in the loss mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 import torch
@@ -14,6 +15,21 @@ import torch
 from .errors import DataError
 from .model.forward import next_token_targets
 from .types import Sample
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Attributes:
+    prompts_per_rollout: prompts per rollout batch (× n_samples sequences).
+    minibatches: optimizer steps per rollout batch.
+    epochs: passes over the rollout batch.
+    micro_batch_size: sequences per micro-batch per DP rank.
+    """
+
+    prompts_per_rollout: int = 64
+    minibatches: int = 1
+    epochs: int = 1
+    micro_batch_size: int = 4
 
 
 def samples_to_microbatches(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Sequence
 
@@ -18,6 +19,15 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, OutputExistsError
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Attributes: every (optimizer steps; 0 = only at the end), keep_last."""
+
+    every: int = 50
+    keep_last: int = 2
+
 
 DESCRIPTION_FILE = "model_description.json"
 

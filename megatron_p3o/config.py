@@ -14,14 +14,22 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import yaml
 
+from .advantage import AdvantageConfig
+from .batching import BatchConfig
+from .checkpoint import CheckpointConfig
 from .errors import UserError
+from .model.builder import ModelConfig
 from .optim import OptimConfig
+from .parallel import ParallelConfig
+from .policy_update import LossConfig
 from .replay import ReplayConfig
-from .rollout.sglang_engine import SGLangConfig
+from .reward.registry import RewardConfig
+from .rollout.config import RolloutConfig
+from .rollout.prompts import DataConfig
 
 
 class ConfigError(UserError, ValueError):
@@ -39,160 +47,6 @@ class RunConfig:
     name: str = "run"
     dir: str = "runs"
     seed: int = 1234
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Attributes:
-    checkpoint: Megatron dist checkpoint made by ``checkpoints_convert.hf_to_megatron``.
-    params_dtype: training dtype ("float32", "bfloat16").
-    seq_length: longest prompt + completion, in tokens.
-    use_te: Transformer Engine layers (None = when available).
-    fp8: TE FP8 recipe or None.
-    hf_config: an HF config.json describing the model, for ``--dry-run`` before the
-        checkpoint exists (the checkpoint's own description wins when it does).
-    """
-
-    checkpoint: str = ""
-    params_dtype: str = "float32"
-    seq_length: int = 512
-    use_te: Optional[bool] = None
-    fp8: Optional[str] = None
-    hf_config: str = ""
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Attributes: tp / pp / cp sizes, vpp (virtual stages per rank), sequence_parallel, and
-    world_size: the GPU count the recipe is written for (checked at launch; None = any)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    vpp: Optional[int] = None
-    sequence_parallel: bool = False
-    world_size: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Attributes:
-    objective: one of ``megatron_p3o.loss.OBJECTIVES`` (p3o by default).
-    hyper: the objective's hyper-parameters (checked against its dataclass).
-    ess_scope: "step" (exact) or "microbatch".
-    nonfinite: "error" or "mask".
-    logprob_chunk: tokens per log-prob block (None = automatic).
-    """
-
-    objective: str = "p3o"
-    hyper: Dict[str, Any] = field(default_factory=dict)
-    ess_scope: str = "step"
-    nonfinite: str = "error"
-    logprob_chunk: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Attributes: temperature, top_p, top_k, max_new_tokens (see ``types.SamplingParams``)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """Attributes:
-    engine: "embedded" (CPU, transformers) or "sglang".
-    precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block).
-    n_samples: completions per prompt (the GRPO group size G).
-    sampling: sampling parameters.
-    sync_every: push weights to the engine every L optimizer steps (OAPL's L).
-    max_staleness: asynchronous rollouts may lag the trainer by at most K versions (0: sync).
-    dynamic_sampling: DAPO dynamic sampling — refill groups whose rewards are all equal with
-        fresh prompts, up to ``dynamic_max_rounds`` rounds per batch.
-    logprob_noise: stress tests only — σ of Gaussian noise added to the behaviour log-probs.
-    engine_temperature: stress tests only — let the engine sample at another temperature
-        than the trainer's ``sampling.temperature`` (None: the same, as it must be).
-    sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
-    weight_sync: how weights reach SGLang — "nccl" (update_weights_from_distributed,
-        disaggregated GPUs), "colocated" (CUDA IPC, same GPUs) or "disk" (fallback).
-    weight_sync_dir: shared directory for the "disk" mode.
-    weight_sync_port: TCP port on trainer rank 0 for the "nccl" weight-update rendezvous
-        (worker i uses weight_sync_port + i).
-    sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
-        weights are pushed to each of them (empty: ``sglang.url`` is the one server).
-    """
-
-    engine: str = "embedded"
-    precision: str = "bf16"
-    n_samples: int = 8
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    sync_every: int = 1
-    max_staleness: int = 0
-    dynamic_sampling: bool = False
-    dynamic_max_rounds: int = 3
-    logprob_noise: float = 0.0
-    engine_temperature: Optional[float] = None
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    weight_sync: str = "nccl"
-    weight_sync_dir: str = ""
-    weight_sync_port: int = 29650
-    sglang_workers: List[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Attributes: path (jsonl/parquet), eval_path (held-out set, optional), prompt_key,
-    answer_key, chat_template, shuffle, eval_every (steps; 0 = only at start and end)."""
-
-    path: str = ""
-    eval_path: str = ""
-    eval_every: int = 0
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    chat_template: bool = False
-    shuffle: bool = True
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    """Attributes: kind (math_verify, exact_match, python) and function ("module:callable")."""
-
-    kind: str = "math_verify"
-    function: str = ""
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """Attributes: kind (grpo, dr_grpo, rloo) and eps (GRPO's std floor)."""
-
-    kind: str = "grpo"
-    eps: float = 1e-6
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """Attributes:
-    prompts_per_rollout: prompts per rollout batch (× n_samples sequences).
-    minibatches: optimizer steps per rollout batch.
-    epochs: passes over the rollout batch.
-    micro_batch_size: sequences per micro-batch per DP rank.
-    """
-
-    prompts_per_rollout: int = 64
-    minibatches: int = 1
-    epochs: int = 1
-    micro_batch_size: int = 4
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Attributes: every (optimizer steps; 0 = only at the end), keep_last."""
-
-    every: int = 50
-    keep_last: int = 2
 
 
 @dataclass(frozen=True)
@@ -218,15 +72,6 @@ class TrainConfig:
         from .loss import build_objective
         from .parallel import Layout, LayoutError
 
-        _choice("loss.ess_scope", self.loss.ess_scope, ("step", "microbatch"))
-        _choice("loss.nonfinite", self.loss.nonfinite, ("error", "mask"))
-        _choice("rollout.engine", self.rollout.engine, ("embedded", "sglang"))
-        _choice(
-            "rollout.precision",
-            self.rollout.precision,
-            ("fp32", "bf16", "fp16", "fp8", "fp8_block"),
-        )
-        _choice("rollout.weight_sync", self.rollout.weight_sync, ("nccl", "colocated", "disk"))
         if (
             self.rollout.weight_sync == "disk"
             and self.rollout.engine == "sglang"
@@ -236,9 +81,6 @@ class TrainConfig:
                 "rollout.weight_sync=disk needs rollout.weight_sync_dir (a directory every "
                 "node and the SGLang servers can read)"
             )
-        _choice("reward.kind", self.reward.kind, ("math_verify", "exact_match", "python"))
-        _choice("advantage.kind", self.advantage.kind, ("grpo", "dr_grpo", "rloo"))
-        _choice("model.params_dtype", self.model.params_dtype, ("float32", "bfloat16", "float16"))
         for path, v, lo in (
             ("steps", self.steps, 1),
             ("rollout.n_samples", self.rollout.n_samples, 1),
@@ -300,6 +142,18 @@ class TrainConfig:
             )
         return self
 
+    def batch_arithmetic(self, dp: int) -> str:
+        """The derived batch numbers of one rollout batch (printed at launch and by --dry-run)."""
+        b, n = self.batch, self.rollout.n_samples
+        seqs = b.prompts_per_rollout * n
+        per_step = seqs // b.minibatches
+        micro = per_step // (dp * b.micro_batch_size)
+        return (
+            f"batch: {b.prompts_per_rollout} prompts × {n} samples = {seqs} sequences per "
+            f"rollout → {b.minibatches} optimizer step(s) × {b.epochs} epoch(s); per step "
+            f"{per_step} = dp {dp} × micro-batch {b.micro_batch_size} × {micro} micro-batches"
+        )
+
 
 def _choice(path: str, value, choices: Sequence) -> None:
     if value not in choices:
@@ -334,6 +188,9 @@ def _coerce(path: str, value: Any, tp) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{path}: None is not allowed")
+    if origin is Literal:  # the choices live in the annotation, checked once here
+        _choice(path, value, args)
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(

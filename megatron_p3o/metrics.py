@@ -9,8 +9,10 @@ every token.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
-from typing import Dict, Optional
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -96,3 +98,53 @@ class StepMetrics:
         centers = -LOG_HIST_RANGE + (torch.arange(LOG_HIST_BINS, dtype=torch.float64) + 0.5) * width
         idx = ((centers + half_range) / (2 * half_range) * bins).floor().clamp(0, bins - 1).long()
         return torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, h).tolist()
+
+
+class PhaseTimer:
+    """Wall time of a trainer step's named phases: ``with timer("train"): ...``, then
+    ``timer.seconds == {"train_s": ...}`` (a phase entered twice adds up)."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"{phase}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+
+
+# summed over the optimizer steps of a rollout batch, not averaged
+_STEP_SUMS = ("skipped_steps", "nonfinite_masked")
+
+
+def combine_optimizer_steps(steps: List[Tuple[int, Dict]]) -> Dict:
+    """The metrics of every optimizer step of one rollout batch, as one record.
+
+    ``steps``: ``(epoch, metrics)`` per optimizer step, in order. One step: its metrics as they
+    are. Several (``batch.minibatches``/``epochs`` > 1): scalars are averaged over the steps
+    (``skipped_steps`` and ``nonfinite_masked`` summed), histograms summed, and the ESS of every
+    step kept: ``ess_steps`` (list), ``ess_epoch{e}`` (mean per epoch), ``ess_min``.
+    """
+    if len(steps) == 1:
+        return dict(steps[0][1])
+    out: Dict = {"opt_steps": float(len(steps))}
+    keys = [k for k in steps[0][1] if all(k in m for _, m in steps)]
+    for k in keys:
+        vals = [m[k] for _, m in steps]
+        if isinstance(vals[0], (int, float)):
+            finite = [float(v) for v in vals]
+            out[k] = sum(finite) if k in _STEP_SUMS else sum(finite) / len(finite)
+        elif isinstance(vals[0], list):
+            out[k] = [sum(x) for x in zip(*vals)]
+    if all("ess" in m for _, m in steps):
+        ess = [float(m["ess"]) for _, m in steps]
+        out["ess_steps"] = ess
+        out["ess_min"] = min(ess)
+        for e in sorted({e for e, _ in steps}):
+            mine = [float(m["ess"]) for ep, m in steps if ep == e]
+            out[f"ess_epoch{e}"] = sum(mine) / len(mine)
+    return out

@@ -22,6 +22,19 @@ import torch.distributed as dist
 from .errors import UserError
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Attributes: tp / pp / cp sizes, vpp (virtual stages per rank), sequence_parallel, and
+    world_size: the GPU count the recipe is written for (checked at launch; None = any)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+    world_size: Optional[int] = None
+
+
 class LayoutError(UserError, ValueError):
     """An impossible parallel layout; the message names the numbers involved."""
 
@@ -78,6 +91,23 @@ class Layout:
             None if self.vpp in (None, 1) else self.vpp,
             self.sequence_parallel,
         )
+
+    # capabilities: read these instead of comparing sizes with 1
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return (self.dp or 1) > 1
 
     def check_hardware(self) -> None:
         """What this machine cannot run (arithmetic is ``resolve``'s job, so a CPU can plan a GPU
@@ -155,6 +185,11 @@ class ParallelGroups:
     @property
     def dp_cp_rank(self) -> int:
         return dist.get_rank(self.dp_cp)
+
+    @property
+    def is_dp_leader(self) -> bool:
+        """The rank that speaks for its DP rank (TP = PP = CP = 0): data cursors, rollouts."""
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
     def is_first_stage(self, vp_stage: Optional[int] = None) -> bool:
         return self.pp_rank == 0 and (vp_stage is None or vp_stage == 0)

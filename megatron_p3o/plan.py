@@ -140,7 +140,6 @@ def format_plan(
     cfg: TrainConfig, plan: Plan, desc: ModelDescription, gpu_gib: float = 80.0
 ) -> List[str]:
     c = cfg
-    seqs = c.batch.prompts_per_rollout * c.rollout.n_samples
     vpp = f" (vpp {c.parallel.vpp})" if c.parallel.vpp else ""
     sp = " + sequence parallel" if c.parallel.sequence_parallel else ""
     dist_opt = "on" if c.optim.distributed_optimizer else "off"
@@ -149,10 +148,7 @@ def format_plan(
         f"{desc.num_layers} layers, hidden {desc.hidden_size}, vocab {desc.vocab_size}",
         f"layout: world {plan.world_size} = tp {plan.tp} × pp {plan.pp} × cp {plan.cp} × "
         f"dp {plan.dp}{vpp}{sp}",
-        f"batch: {c.batch.prompts_per_rollout} prompts × {c.rollout.n_samples} samples = {seqs} "
-        f"sequences per rollout → {c.batch.minibatches} optimizer step(s) × {c.batch.epochs} "
-        f"epoch(s); per step {seqs // c.batch.minibatches} = dp {plan.dp} × micro-batch "
-        f"{c.batch.micro_batch_size} × {plan.micro_batches} micro-batches",
+        c.batch_arithmetic(plan.dp),
         f"memory per GPU (estimate, busiest stage; {plan.params_per_gpu / 1e9:.2f} B parameters "
         f"on it, {c.model.params_dtype}, distributed optimizer {dist_opt}):",
     ]
@@ -161,3 +157,12 @@ def format_plan(
     verdict = "fits" if plan.total_gib <= gpu_gib * 0.9 else "DOES NOT FIT (keep ≥ 10% headroom)"
     lines.append(f"  {'total':<12} {plan.total_gib:8.2f} GiB of {gpu_gib:.0f} GiB — {verdict}")
     return lines
+
+
+def dry_run(recipe: str, cfg: TrainConfig, world_size: int, gpu_gib: float) -> int:
+    """``train --dry-run``: the layout and batch checks and the memory estimate, printed."""
+    desc, div = describe_model(cfg)
+    plan = make_plan(cfg, world_size, desc, div)
+    print(f"{recipe}: OK (world size {world_size})")
+    print("\n".join(format_plan(cfg, plan, desc, gpu_gib)))
+    return 0

@@ -1,17 +1,15 @@
-"""``Trainer.step()``: rollout (generate + reward, scheduled) → replay → advantages → (ESS
-pre-pass + gradient pass) → optimizer step → publish weights. No maths here: each stage is a call
-into its own module.
+"""``Trainer.step()``: rollout → compose (replay) → advantages → update → publish → checkpoint →
+log. No maths here: each phase is a call into its own module.
 
-Each DP rank rolls out its own share of the prompts; the model-parallel ranks of one DP rank
-hold identical engines with identical seeds, so they produce identical samples without talking.
-Which weight version generates which batch (sync, lagged every L, async with staleness ≤ K) is
-the rollout scheduler's rule (:mod:`megatron_p3o.rollout.scheduler`).
+Each DP rank rolls out its own share of the prompts through the rollout backend
+(:mod:`megatron_p3o.rollout.backend`), which also decides how the trainer's weights reach the
+engine; the trainer never asks which backend it holds. Which weight version generates which
+batch (sync, lagged every L, async with staleness ≤ K) is the rollout scheduler's rule.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
@@ -30,98 +28,77 @@ from .checkpoint import (
 from .config import TrainConfig, to_dict
 from .hf.dist_stream import read_meta
 from .loss import build_objective
-from .loss.oapl import oapl_advantages
-from .loss.step_loss import StepLoss, StepLossConfig
+from .metrics import PhaseTimer, combine_optimizer_steps
 from .model.builder import BuildOptions, build_model
-from .model.description import description_to_hf_config
 from .optim import build_optimizer, build_scheduler, wrap_ddp, zero_grads
 from .parallel import ParallelGroups
+from .policy_update import PolicyUpdate
 from .replay import ReplayBuffer
 from .reward import build_reward, score_samples
-from .rollout.embedded import EmbeddedEngine
-from .rollout.engine import check_behaviour_semantics
+from .rollout.backend import build_backend
+from .rollout.config import RolloutShard
+from .rollout.engine import check_behavior_semantics
 from .rollout.prompts import PromptData, all_rows, remap_states
-from .rollout.scheduler import Publication, RolloutPlan, RolloutScheduler
-from .types import SamplingParams
-from .weight_sync import iter_hf_tensors
+from .types import SamplingParams, TrainBatch
+from .weight_sync.source import TrainerWeights
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups):
+        self.cfg, self.groups = cfg, groups
+        self.tb = self.rollout = None
+        try:
+            self._build(cfg, groups)
+        except BaseException:
+            self.close()  # nothing started so far outlives a failed start
+            raise
+
+    def _build(self, cfg: TrainConfig, groups: ParallelGroups) -> None:
+        """Model and optimizer → objective and update → data, reward, replay → run directory
+        and resume → rollout backend (last: it may launch servers)."""
         from transformers import AutoTokenizer
 
-        self.cfg, self.groups = cfg, groups
         ckpt = Path(cfg.model.checkpoint)
+        self._build_model(cfg, groups, ckpt)
+        self.tok = AutoTokenizer.from_pretrained(ckpt / "hf")
+        self.objective = build_objective(cfg.loss.objective, **cfg.loss.hyper)
+        self.sampling = self._sampling()
+        self.update = PolicyUpdate(
+            self.objective, groups, self.desc.vocab_size, cfg.loss, self.sampling.temperature
+        )
+        d = cfg.data
+        self.data = PromptData(
+            d.path, self.tok, prompt_key=d.prompt_key, answer_key=d.answer_key,
+            chat_template=d.chat_template, shuffle=d.shuffle, seed=cfg.run.seed,
+            dp_rank=groups.dp_rank, dp_size=groups.layout.dp,
+        )  # fmt: skip
+        self.reward_fn = build_reward(cfg.reward.kind, cfg.reward.function)
+        self.replay = ReplayBuffer(cfg.replay)
+        pending = self._open_run(cfg, groups)
+        self.rollout = self._build_rollout(cfg, groups, pending)
+
+    def _build_model(self, cfg: TrainConfig, groups: ParallelGroups, ckpt: Path) -> None:
         meta = read_meta(ckpt)
         self.desc = meta["description"]
-        dtype = getattr(torch, cfg.model.params_dtype)
-        self.chunks = build_model(
-            self.desc,
-            groups,
-            BuildOptions(
-                params_dtype=dtype,
-                make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
-                seq_length=cfg.model.seq_length,
-                use_te=cfg.model.use_te,
-                fp8=cfg.model.fp8,
-            ),
+        opts = BuildOptions(
+            params_dtype=getattr(torch, cfg.model.params_dtype),
+            make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+            seq_length=cfg.model.seq_length,
+            use_te=cfg.model.use_te,
+            fp8=cfg.model.fp8,
         )
+        self.chunks = build_model(self.desc, groups, opts)
         load_model_state(self.chunks, ckpt)
         self.ddp = wrap_ddp(self.chunks, groups, cfg.optim)
         self.opt = build_optimizer(self.ddp, groups, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim)
-        self.tok = AutoTokenizer.from_pretrained(ckpt / "hf")
-        s = cfg.rollout.sampling
-        eos = self.tok.eos_token_id
-        self.sampling = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_new_tokens=s.max_new_tokens,
-            stop_token_ids=(eos,) if eos is not None else (),
-        )
-        check_behaviour_semantics(self.sampling, s.temperature, cfg.loss.objective)
-        engine_sampling = self.sampling
-        if cfg.rollout.engine_temperature is not None:  # deliberate mismatch (stress experiments)
-            engine_sampling = replace(self.sampling, temperature=cfg.rollout.engine_temperature)
-        self.objective = build_objective(cfg.loss.objective, **cfg.loss.hyper)
-        self.loss = StepLoss(
-            self.objective,
-            groups,
-            self.desc.vocab_size,
-            StepLossConfig(
-                temperature=s.temperature,
-                ess_scope=cfg.loss.ess_scope,
-                nonfinite=cfg.loss.nonfinite,
-                logprob_chunk=cfg.loss.logprob_chunk,
-            ),
-        )
-        self.central = cfg.rollout.engine == "sglang"
-        if self.central:
-            self.engine, self.eval_engine = self._central_engines()
-        else:
-            self.engine = self.eval_engine = EmbeddedEngine(
-                description_to_hf_config(self.desc),
-                cfg.rollout.precision,
-                pad_token_id=self.tok.pad_token_id or 0,
-            )
-        self.data = PromptData(
-            cfg.data.path,
-            self.tok,
-            prompt_key=cfg.data.prompt_key,
-            answer_key=cfg.data.answer_key,
-            chat_template=cfg.data.chat_template,
-            shuffle=cfg.data.shuffle,
-            seed=cfg.run.seed,
-            dp_rank=groups.dp_rank,
-            dp_size=groups.layout.dp,
-        )
-        self.reward_fn = build_reward(cfg.reward.kind, cfg.reward.function)
-        self.replay = ReplayBuffer(cfg.replay)
+
+    def _open_run(self, cfg: TrainConfig, groups: ParallelGroups) -> List[dict]:
+        """The run directory (config.json, TensorBoard on rank 0) and, when it holds a
+        checkpoint, the resume; returns pending re-evaluation requests of this DP rank."""
         self.step_idx = 0
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.rank0 = groups.rank == 0
-        self.tb = None
         if self.rank0:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -129,165 +106,125 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.resumed_from = latest_checkpoint(self.run_dir)
-        pending: List = []
-        if self.resumed_from is not None:  # the same command again continues the run
-            st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
-            self.step_idx = int(st["step"])
-            pending = self._load_rank_state(st["ranks"])
-        dp = groups.layout.dp
-        plan = RolloutPlan(
-            prompts=cfg.batch.prompts_per_rollout // dp,
-            n_samples=cfg.rollout.n_samples,
+        if self.resumed_from is None:
+            return []
+        # the same command again continues the run
+        st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
+        self.step_idx = int(st["step"])
+        return self._load_rank_state(st["ranks"])
+
+    def _build_rollout(self, cfg: TrainConfig, groups: ParallelGroups, pending: List[dict]):
+        r = cfg.rollout
+        engine_sampling = self.sampling
+        if r.engine_temperature is not None:  # deliberate mismatch (stress experiments)
+            engine_sampling = replace(self.sampling, temperature=r.engine_temperature)
+        shard = RolloutShard(
+            prompts=cfg.batch.prompts_per_rollout // groups.layout.dp,
             sampling=engine_sampling,
-            sync_every=cfg.rollout.sync_every,
-            max_staleness=cfg.rollout.max_staleness,
-            dynamic_sampling=cfg.rollout.dynamic_sampling,
-            max_rounds=cfg.rollout.dynamic_max_rounds,
-            logprob_noise=cfg.rollout.logprob_noise,
             seed=cfg.run.seed,
             dp_rank=groups.dp_rank,
             end=cfg.steps,
         )
-        if self.central:  # the server gets the trainer's weights now (attached or resumed runs)
-            self._push_central()
-        self.rollout = RolloutScheduler(
-            self.engine,
-            self.data,
-            self._score,
-            plan,
-            self.step_idx,
-            [] if self.central else self.export_weights(),
-            pending,
-        )
+        weights = TrainerWeights(self.chunks, groups, self.desc)
+        return build_backend(
+            r, groups, weights, self.data, self._score, shard, self.step_idx, pending,
+            cfg.model.params_dtype, self.tok.pad_token_id or 0,
+        )  # fmt: skip
 
-    # -- stages ---------------------------------------------------------------------------------
-    def export_weights(self) -> List:
-        """The trainer's weights as full HF-named tensors (all ranks take part)."""
-        tensors = list(iter_hf_tensors(self.chunks, self.groups, self.desc))
-        if self.groups.layout.pp > 1:
-            parts: List = [None] * self.groups.layout.pp
-            # PP group: each stage exported its own layers; every rank's engine needs all of them.
-            dist.all_gather_object(parts, tensors, group=self.groups.pp)
-            tensors = [t for p in parts for t in p]
-        return tensors
+    def _sampling(self) -> SamplingParams:
+        """The recipe's sampling parameters plus the tokenizer's EOS as a stop token, checked
+        against what the objective assumes of the behaviour log-probs."""
+        s = self.cfg.rollout.sampling
+        eos = self.tok.eos_token_id
+        stops = tuple(s.stop_token_ids) + ((eos,) if eos is not None else ())
+        sampling = replace(s, stop_token_ids=tuple(dict.fromkeys(stops)))
+        check_behavior_semantics(sampling, s.temperature, self.objective.behavior_ratio)
+        return sampling
 
-    def _central_engines(self):
-        """SGLang on global rank 0, driven for every rank (see ``rollout.central``): one view for
-        the rollout producer, one for evaluation, each with its own object group."""
-        import os
+    # -- one trainer step -----------------------------------------------------------------------
+    def step(self) -> Dict[str, float]:
+        timer = PhaseTimer()
+        with timer("rollout_wait"):
+            res = self.rollout.next_batch()
+        with timer("compose"):
+            groups, replay_stats = self.replay.compose(res.groups, self.step_idx, res.dropped)
+            batch = TrainBatch.from_groups(groups)
+        with timer("advantage"):
+            adv = self._advantages(batch)
+        with timer("train"):
+            update = self._update(batch, adv)
+        self.step_idx += 1
+        with timer("sync"):
+            self.rollout.publish(self.step_idx - 1, self.replay.take_reeval())
+        with timer("checkpoint"):
+            every = self.cfg.checkpoint.every
+            if every and self.step_idx % every == 0:
+                self.save_checkpoint()
+        return self._log(batch, {**update, **res.stats, **replay_stats}, timer.seconds)
 
-        from .parallel import new_object_group
-        from .rollout.central import CentralEngine
-        from .rollout.sglang_engine import SGLangEngine, SGLangFleet
-
-        r = self.cfg.rollout
-        inner = None
-        if self.groups.rank == 0:
-            router = SGLangEngine(r.sglang)
-            workers = [SGLangEngine(replace(r.sglang, url=u)) for u in r.sglang_workers] or [router]
-            inner = SGLangFleet(router, workers).start()
-            if r.weight_sync == "nccl":
-                inner.init_weight_update_groups(
-                    os.environ.get("MASTER_ADDR", "127.0.0.1"), r.weight_sync_port
-                )
-        hf = description_to_hf_config(self.desc, self.cfg.model.params_dtype)
-        return tuple(
-            CentralEngine(
-                inner, self.groups, new_object_group(), r.weight_sync, r.weight_sync_dir, hf
-            )
-            for _ in range(2)
-        )
-
-    def _push_central(self) -> None:
-        """Stream the weights to rank 0 and push them to the server (every rank takes part)."""
-        from .weight_sync import iter_hf_buckets
-        from .weight_sync.stream import iter_hf_tensors_to_rank0
-
-        tensors = iter_hf_tensors_to_rank0(self.chunks, self.groups, self.desc)
-        self.engine.update_weights(iter_hf_buckets(tensors, 256 * 2**20), self.step_idx)
-        self.eval_engine.weight_version = self.step_idx
-
+    # -- phases -----------------------------------------------------------------------------------
     def _decode(self, ids: List[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True).replace(" ", "")
+        return self.tok.decode(ids, skip_special_tokens=True)
 
     def _score(self, samples, answers) -> List[float]:
-        return score_samples(
-            self.reward_fn,
-            [self._decode(s.completion_ids) for s in samples],
-            answers,
-            [s.group_id for s in samples],
-        )
+        texts = [self._decode(s.completion_ids) for s in samples]
+        return score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
 
-    def step(self) -> Dict[str, float]:
-        cfg, t = self.cfg, {}
-        t0 = time.perf_counter()
-        res = self.rollout.next()
-        t["rollout_wait_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        batch, rstats = self.replay.compose(res.groups, self.step_idx, res.dropped)
-        samples = []
-        for gi, g in enumerate(batch):
-            for s in g.samples:
-                s.group_id = gi
-                samples.append(s)
-        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
-        gids = torch.tensor([s.group_id for s in samples])
-        if self.objective.name == "oapl":  # OAPL regresses onto its own optimal advantage r − V*
-            adv = oapl_advantages(rewards, gids, self.objective.hyper.beta1)
-        else:
-            adv = group_advantages(rewards, gids, cfg.advantage.kind, cfg.advantage.eps)
-        stale = torch.tensor([float(self.step_idx - s.weight_version) for s in samples])
-        t["advantage_s"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        all_mbs = samples_to_microbatches(
-            samples,
+    def _advantages(self, batch: TrainBatch) -> torch.Tensor:
+        """The objective's own advantages (OAPL's A*) or the configured group baseline."""
+        own = self.objective.advantages(batch.rewards, batch.group_index)
+        if own is not None:
+            return own
+        a = self.cfg.advantage
+        return group_advantages(batch.rewards, batch.group_index, a.kind, a.eps)
+
+    def _update(self, batch: TrainBatch, adv: torch.Tensor) -> Dict:
+        """Every optimizer step of this rollout batch (mini-batches × epochs); their metrics."""
+        b = self.cfg.batch
+        mbs = samples_to_microbatches(
+            batch.samples,
             adv,
-            cfg.model.seq_length,
-            cfg.batch.micro_batch_size,
+            self.cfg.model.seq_length,
+            b.micro_batch_size,
             self.tok.pad_token_id or 0,
         )
-        if self.objective.needs_old_logprobs:  # πold/πprox = the policy before this batch's updates
-            self.loss.recompute_old_logprobs(self.ddp, all_mbs)
-        per_step = len(all_mbs) // cfg.batch.minibatches
-        metrics: Dict[str, float] = {}
-        for _ in range(cfg.batch.epochs):
-            for m in range(cfg.batch.minibatches):
-                mbs = all_mbs[m * per_step : (m + 1) * per_step]
+        if self.objective.needs_old_logprobs:  # πold/πprox = the policy before these updates
+            self.update.recompute_old_logprobs(self.ddp, mbs)
+        per_step = len(mbs) // b.minibatches
+        steps = []
+        for epoch in range(b.epochs):
+            for m in range(b.minibatches):
                 zero_grads(self.ddp, self.opt)
-                metrics = self.loss.run(self.ddp, mbs)
+                metrics = self.update.run(self.ddp, mbs[m * per_step : (m + 1) * per_step])
                 ok, gnorm, _ = self.opt.step()
                 self.sched.step(1)
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
-        t["train_s"] = time.perf_counter() - t2
-        self.step_idx += 1
-        t3 = time.perf_counter()
-        sync = self.step_idx % cfg.rollout.sync_every == 0
-        if self.central and sync:
-            self._push_central()
-        weights = ([] if self.central else self.export_weights()) if sync else None
-        self.rollout.publish(self.step_idx - 1, self.step_idx, weights, self.replay.take_reeval())
-        t["sync_s"] = time.perf_counter() - t3
-        if cfg.checkpoint.every and self.step_idx % cfg.checkpoint.every == 0:
-            self.save_checkpoint()
-        toks = sum(len(s.completion_ids) for s in samples)
+                metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
+                steps.append((epoch, metrics))
+        return combine_optimizer_steps(steps)
+
+    def _log(self, batch: TrainBatch, metrics: Dict, seconds: Dict[str, float]) -> Dict:
+        b = self.cfg.batch
+        # versions behind the policy this step trained (step_idx has moved on to the next)
+        trained = self.step_idx - 1
+        stale = torch.tensor([float(trained - s.weight_version) for s in batch.samples])
+        toks = sum(len(s.completion_ids) for s in batch.samples)
+        n_steps = b.epochs * b.minibatches
         out = {
             "step": self.step_idx,
             **metrics,
-            **t,
-            **res.stats,
-            **rstats,
-            "reward_mean": float(rewards.mean()),
-            "completion_len": toks / len(samples),
-            "train_tok_per_s": cfg.batch.epochs
+            **seconds,
+            "reward_mean": float(batch.rewards.mean()),
+            "completion_len": toks / len(batch.samples),
+            "train_tok_per_s": n_steps
             * metrics.get("n_tokens", 0.0)
-            * cfg.batch.minibatches
-            / max(t["train_s"], 1e-9),
+            / max(seconds["train_s"], 1e-9),
             "staleness_mean": float(stale.mean()),
             "staleness_max": float(stale.max()),
             "weight_version": self.step_idx,
             "lr": self.opt.param_groups[0]["lr"],
         }
-        self._reduce_reward(out)
+        self._reduce_rollout_metrics(out)
         out["rollout_tok_per_s"] = out["rollout_tokens"] / max(out["rollout_s"], 1e-9)
         if self.rank0:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -307,11 +244,11 @@ class Trainer:
     )
     _DP_MEANS = ("reward_mean", "completion_len", "staleness_mean", "rollout_s", "rollout_wait_s")
 
-    def _reduce_reward(self, out: Dict[str, float]) -> None:
+    def _reduce_rollout_metrics(self, out: Dict[str, float]) -> None:
         """Rollout-side numbers of the whole step: each DP rank rolled out and scored its own
         prompts (DP group: sums, means and the staleness maximum over all of them)."""
         dp = self.groups.layout.dp
-        if dp == 1:
+        if not self.groups.layout.dp_enabled:
             return
         keys = self._DP_SUMS + self._DP_MEANS
         t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64)
@@ -323,10 +260,11 @@ class Trainer:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
         out["staleness_max"] = float(m)
 
+    # -- evaluation, checkpoints, teardown ------------------------------------------------------
     def evaluate(self, path: str, limit: int = 0) -> float:
-        """Greedy (top-1) accuracy on a held-out file with the current weights, in the engine's
-        precision (the engine is borrowed from the rollout producer for the duration)."""
-        rows = all_rows(path, self.tok, self.cfg.data.prompt_key, self.cfg.data.answer_key)
+        """Greedy (top-1) accuracy on a held-out file with the current weights (all ranks)."""
+        d = self.cfg.data
+        rows = all_rows(path, self.tok, d.prompt_key, d.answer_key)
         rows = rows[:limit] if limit else rows
         rows = rows[self.groups.dp_rank :: self.groups.layout.dp]
         sp = SamplingParams(
@@ -336,19 +274,13 @@ class Trainer:
             stop_token_ids=self.sampling.stop_token_ids,
             seed=0,
         )
-        if self.central:  # the server holds the weights of the last sync point
-            samples = self.eval_engine.generate([r[0] for r in rows], 1, sp)
-        else:
-            weights = self.export_weights()  # every rank, always: the export is a collective
-            with self.rollout.engine_lock:
-                self.rollout.ensure_weights(Publication(self.step_idx - 1, self.step_idx, weights))
-                samples = self.engine.generate([r[0] for r in rows], 1, sp)
+        samples = self.rollout.evaluate([r[0] for r in rows], sp, self.step_idx)
         correct = sum(
             float(self.reward_fn(self._decode(s.completion_ids), rows[s.group_id][1]))
             for s in samples
         )
         t = torch.tensor([correct, len(rows)], dtype=torch.float64)
-        if self.groups.layout.dp > 1:
+        if self.groups.layout.dp_enabled:
             # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
             dist.all_reduce(t, group=self.groups.dp)
         acc = float(t[0] / t[1])
@@ -362,7 +294,7 @@ class Trainer:
         rollout batch, pending re-evaluation requests and the replay buffer."""
         g = self.groups
         mine = None
-        if g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0:
+        if g.is_dp_leader:
             mine = (g.dp_rank, {"rollout": self.rollout.state(), "replay": self.replay.state()})
         parts: List = [None] * g.world_size
         # World: each DP rank has its own cursor and buffer; rank 0 stores them all in common.pt.
@@ -399,7 +331,10 @@ class Trainer:
         return []
 
     def close(self) -> None:
-        self.rollout.stop()
-        self.engine.stop()
+        """Stop the rollout backend (its thread, servers it launched) and close the logs."""
+        if self.rollout is not None:
+            self.rollout.stop()
+            self.rollout = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None

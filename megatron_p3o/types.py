@@ -7,9 +7,12 @@ trainer; nothing else passes between those stages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from .errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SamplingError(UserError, ValueError):
@@ -154,4 +157,34 @@ class Group:
             samples,
             d["source"],
             int(d["uses"]),
+        )
+
+
+@dataclass
+class TrainBatch:
+    """The batch one trainer step learns from, after replay composition: samples in group
+    order, each sample's group index in *this* batch (samples are not renumbered: a replayed
+    group keeps the ids it was generated with) and rewards.
+
+    Attributes:
+        samples: ``N`` samples, group after group.
+        group_index: ``[N]`` long, group of each sample within this batch.
+        rewards: ``[N]`` float64.
+    """
+
+    samples: List[Sample]
+    group_index: "torch.Tensor"
+    rewards: "torch.Tensor"
+
+    @classmethod
+    def from_groups(cls, groups: List["Group"]) -> "TrainBatch":
+        import torch
+
+        samples = [s for g in groups for s in g.samples]
+        index = [gi for gi, g in enumerate(groups) for _ in g.samples]
+        rewards = [float(s.reward) for s in samples]
+        return cls(
+            samples,
+            torch.tensor(index, dtype=torch.long),
+            torch.tensor(rewards, dtype=torch.float64),
         )

@@ -43,7 +43,74 @@ def _block_rows(n: int, real: int, chunk_size: Optional[int]) -> int:
     return max(1, min(rows, n))
 
 
+def _row_blocks(n: int, rows: int):
+    """``(start, end)`` of each block of ``rows`` rows."""
+    for s in range(0, n, rows):
+        yield s, min(n, s + rows)
+
+
+def _scaled(x: Tensor, out: Tensor, inv_t: float) -> Tensor:
+    """``x / T`` in fp32, written into ``out`` (``out is x`` on the in-place path)."""
+    if out is not x:
+        out.copy_(x)
+    if inv_t != 1.0:
+        out.mul_(inv_t)
+    return out
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
+    """ℓ(y) = log softmax(z / T)[y] and the entropy over a vocabulary-parallel shard.
+
+    The forward reads as the maths in the module docstring: the predicted logit, the row max,
+    the sum of exponentials (one TP reduction each for the max and the sums), then the per-token
+    combination in float64. Each step walks the rows in blocks through one fp32 scratch buffer,
+    or through the logits' own storage on the in-place (training) path.
+    """
+
+    @staticmethod
+    def predicted_logits(flat, real, local_t, in_shard, inv_t, rows, out) -> None:
+        """``out [n]`` (float64) = z_y / T straight from the input, before any rounding; 0 on
+        ranks whose shard does not hold y (the TP sum then gives every rank the value)."""
+        for s, e in _row_blocks(flat.shape[0], rows):
+            if real == 0:  # a shard of padding columns only (tiny vocabulary, large TP)
+                out[s:e] = 0.0
+                continue
+            hit = flat[s:e, :real].gather(1, local_t[s:e, None]).squeeze(1).double()
+            zero = torch.zeros(e - s, dtype=torch.float64, device=flat.device)
+            out[s:e] = torch.where(in_shard[s:e], hit, zero) * inv_t
+
+    @staticmethod
+    def row_max(flat, real, inv_t, rows, scratch, tp_group) -> Tensor:
+        """``m [n]`` (fp32) = max over the whole vocabulary of z / T. Without ``scratch`` (the
+        in-place path) the logits are left scaled by 1/T for :meth:`sum_exp`."""
+        n = flat.shape[0]
+        m_all = torch.empty(n, dtype=torch.float32, device=flat.device)
+        for s, e in _row_blocks(n, rows):
+            x = flat[s:e, :real]
+            w = _scaled(x, x if scratch is None else scratch[: e - s, :real], inv_t)
+            if real > 0:
+                m_all[s:e] = w.amax(-1)
+            else:
+                m_all[s:e] = -float("inf")
+        if tp_group is not None:
+            # TP group: the max over the whole vocabulary, for a stable log-sum-exp.
+            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
+        return m_all
+
+    @staticmethod
+    def sum_exp(flat, real, inv_t, rows, scratch, m_all, stats, with_entropy) -> None:
+        """``stats[0]`` = Σ_v exp(z/T − m) and, with the entropy, ``stats[2]`` =
+        Σ_v e^{z/T−m}·(z/T − m), both local to the shard (float64). On the in-place path the
+        logits' storage ends up holding exp(z/T − m), which the backward reuses."""
+        for s, e in _row_blocks(flat.shape[0], rows):
+            x = flat[s:e, :real]
+            w = x if scratch is None else _scaled(x, scratch[: e - s, :real], inv_t)
+            w.sub_(m_all[s:e, None])
+            if with_entropy:
+                stats[2, s:e] = (torch.exp(w) * w).sum(-1).double()
+            w.exp_()
+            stats[0, s:e] = w.sum(-1).double()
+
     @staticmethod
     def forward(
         ctx,
@@ -56,11 +123,10 @@ class _VocabParallelLogprob(torch.autograd.Function):
         with_entropy: bool,
         inplace: bool,
     ):
-        v_local = logits.shape[-1]
-        lead = logits.shape[:-1]
-        flat = logits.reshape(-1, v_local)
-        tgt = target.reshape(-1)
-        n = flat.shape[0]
+        cls = _VocabParallelLogprob
+        v_local, lead = logits.shape[-1], logits.shape[:-1]
+        flat, tgt = logits.reshape(-1, v_local), target.reshape(-1)
+        n, dev = flat.shape[0], logits.device
         start, real = _shard_bounds(v_local, tp_group, vocab_size)
         local_t = tgt - start
         in_shard = (local_t >= 0) & (local_t < real)
@@ -70,51 +136,13 @@ class _VocabParallelLogprob(torch.autograd.Function):
         keep_exp = inplace and flat.dtype == torch.float32 and flat.is_contiguous()
         rows = _block_rows(n, real, chunk_size)
         scratch = (
-            None
-            if keep_exp
-            else torch.empty(rows, max(real, 1), dtype=torch.float32, device=logits.device)
+            None if keep_exp else torch.empty(rows, max(real, 1), dtype=torch.float32, device=dev)
         )
-        m_all = torch.empty(n, dtype=torch.float32, device=logits.device)
-        stats = torch.empty(3 if with_entropy else 2, n, dtype=torch.float64, device=logits.device)
-        for s in range(0, n, rows):
-            e = min(n, s + rows)
-            x = flat[s:e, :real]
-            # the target logit in float64 straight from the input, before any rounding
-            if real > 0:
-                stats[1, s:e] = (
-                    torch.where(
-                        in_shard[s:e],
-                        x.gather(1, local_t[s:e, None]).squeeze(1).double(),
-                        torch.zeros(e - s, dtype=torch.float64),
-                    )
-                    * inv_t
-                )
-            else:  # a shard of padding columns only (tiny vocabulary, large TP)
-                stats[1, s:e] = 0.0
-            w = x if keep_exp else scratch[: e - s, :real]
-            if w is not x:
-                w.copy_(x)
-            if inv_t != 1.0:
-                w.mul_(inv_t)
-            m = w.amax(-1) if real > 0 else torch.full((e - s,), -float("inf"))
-            m_all[s:e] = m
-        if tp_group is not None:
-            # TP group: the max over the whole vocabulary, for a stable log-sum-exp.
-            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
-        for s in range(0, n, rows):
-            e = min(n, s + rows)
-            x = flat[s:e, :real]
-            if keep_exp:
-                w = x  # already scaled by 1/T in the first pass
-            else:
-                w = scratch[: e - s, :real].copy_(x)
-                if inv_t != 1.0:
-                    w.mul_(inv_t)
-            w.sub_(m_all[s:e, None])
-            if with_entropy:
-                stats[2, s:e] = (torch.exp(w) * w).sum(-1).double()  # Σ e^{z−m}(z−m)
-            w.exp_()
-            stats[0, s:e] = w.sum(-1).double()
+        # rows: Σexp (local), z_y / T, and Σ e^{z−m}(z−m) for the entropy
+        stats = torch.empty(3 if with_entropy else 2, n, dtype=torch.float64, device=dev)
+        cls.predicted_logits(flat, real, local_t, in_shard, inv_t, rows, stats[1])
+        m_all = cls.row_max(flat, real, inv_t, rows, scratch, tp_group)
+        cls.sum_exp(flat, real, inv_t, rows, scratch, m_all, stats, with_entropy)
         if tp_group is not None:
             # TP group: Σexp, the target logit (held by one rank) and Σexp·(z−m) over all shards.
             dist.all_reduce(stats, group=tp_group)

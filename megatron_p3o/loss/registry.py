@@ -22,7 +22,7 @@ from .decoupled_ppo import DecoupledPPOConfig, decoupled_ppo_terms
 from .diagnostics import add_mismatch_metrics, finalize_mismatch
 from .ess import check_finite, ess_from_stats, ess_stats
 from .gspo import GSPOConfig, gspo_terms
-from .oapl import OAPLConfig, oapl_terms
+from .oapl import OAPLConfig, oapl_advantages, oapl_terms
 from .p3o import P3OConfig, p3o_terms
 from .p4o import P4OConfig, p4o_terms
 from .ppo import ClipConfig, clip_terms
@@ -38,11 +38,23 @@ class ObjectiveSpec:
     per_sequence: bool = False
     whole_sequences: bool = False  # nonlinear in a sequence's token sum: CP must not split it
     defaults: Dict[str, Any] = field(default_factory=dict)
+    # the objective's own advantages (rewards [N], group ids [N], hyper) -> [N], replacing the
+    # configured group baseline (OAPL regresses onto A* = r − V*); None = advantage.kind
+    advantages: Optional[Callable[[Tensor, Tensor, Any], Tensor]] = None
+    # its ratio is against the engine's πb (P3O, P4O): the engine must sample from exactly the
+    # distribution the trainer scores (no top-p/top-k truncation the trainer does not apply)
+    behavior_ratio: bool = False
+
+
+def _oapl_advantages(rewards: Tensor, group_ids: Tensor, hyper: OAPLConfig) -> Tensor:
+    return oapl_advantages(rewards, group_ids, hyper.beta1)
 
 
 OBJECTIVES: Dict[str, ObjectiveSpec] = {
-    "p3o": ObjectiveSpec(P3OConfig, p3o_terms, needs=("ess",)),
-    "p4o": ObjectiveSpec(P4OConfig, p4o_terms, needs=("ess", "ess_prox", "old")),
+    "p3o": ObjectiveSpec(P3OConfig, p3o_terms, needs=("ess",), behavior_ratio=True),
+    "p4o": ObjectiveSpec(
+        P4OConfig, p4o_terms, needs=("ess", "ess_prox", "old"), behavior_ratio=True
+    ),
     "reinforce": ObjectiveSpec(ReinforceConfig, reinforce_terms),
     "ppo": ObjectiveSpec(ClipConfig, clip_terms),
     "grpo": ObjectiveSpec(ClipConfig, clip_terms, defaults={"aggregation": "seq_mean_token_mean"}),
@@ -61,7 +73,13 @@ OBJECTIVES: Dict[str, ObjectiveSpec] = {
     ),
     "cispo": ObjectiveSpec(CISPOConfig, cispo_terms),
     "decoupled_ppo": ObjectiveSpec(DecoupledPPOConfig, decoupled_ppo_terms, needs=("old",)),
-    "oapl": ObjectiveSpec(OAPLConfig, oapl_terms, per_sequence=True, whole_sequences=True),
+    "oapl": ObjectiveSpec(
+        OAPLConfig,
+        oapl_terms,
+        per_sequence=True,
+        whole_sequences=True,
+        advantages=_oapl_advantages,
+    ),
 }
 
 
@@ -78,6 +96,16 @@ class Objective:
             self.spec.per_sequence
             or getattr(self.hyper, "aggregation", "") == "seq_mean_token_mean"
         )
+
+    @property
+    def behavior_ratio(self) -> bool:
+        """Its ratio is taken against the rollout engine's log-probs πb."""
+        return self.spec.behavior_ratio
+
+    def advantages(self, rewards: Tensor, group_ids: Tensor) -> Optional[Tensor]:
+        """The objective's own advantages ``[N]`` (float64), or None: use ``advantage.kind``."""
+        fn = self.spec.advantages
+        return None if fn is None else fn(rewards, group_ids, self.hyper)
 
     @property
     def needs_ess(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,26 @@ import torch.nn.functional as F
 from .. import mcore_compat
 from ..parallel import LayoutError, ParallelGroups
 from .description import ModelDescription
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Attributes:
+    checkpoint: Megatron dist checkpoint made by ``checkpoints_convert.hf_to_megatron``.
+    params_dtype: training dtype ("float32", "bfloat16").
+    seq_length: longest prompt + completion, in tokens.
+    use_te: Transformer Engine layers (None = when available).
+    fp8: TE FP8 recipe or None.
+    hf_config: an HF config.json describing the model, for ``--dry-run`` before the
+        checkpoint exists (the checkpoint's own description wins when it does).
+    """
+
+    checkpoint: str = ""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seq_length: int = 512
+    use_te: Optional[bool] = None
+    fp8: Optional[str] = None
+    hf_config: str = ""
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -142,7 +162,7 @@ def build_model(
     config = transformer_config(desc, groups, opts)
     use_te = resolve_use_te(opts)
     spec = mcore_compat.layer_spec(use_te=use_te, qk_norm=desc.qk_norm)
-    if groups.layout.cp > 1 and not use_te:
+    if groups.layout.cp_enabled and not use_te:
         from .cp_attention import CPAllGatherAttention
 
         spec.submodules.self_attention.submodules.core_attention = CPAllGatherAttention

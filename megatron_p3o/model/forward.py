@@ -38,7 +38,7 @@ def slice_for_cp(batch: MicroBatch, groups: ParallelGroups) -> MicroBatch:
 
     Per-sequence entries (``[b]``: rewards, lengths, sample indices) pass through unchanged.
     """
-    if groups.layout.cp == 1:
+    if not groups.layout.cp_enabled:
         return batch
     from megatron.core.utils import get_batch_on_this_cp_rank
 

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Callable, List, Sequence
+from dataclasses import dataclass
+from typing import Callable, List, Literal, Sequence
 
 from ..errors import UserError
 
 RewardFn = Callable[[str, str], float]
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Attributes: kind (math_verify, exact_match, python) and function ("module:callable")."""
+
+    kind: Literal["math_verify", "exact_match", "python"] = "math_verify"
+    function: str = ""
 
 
 class RewardError(UserError, ValueError):

@@ -52,7 +52,7 @@ class CentralEngine(RolloutEngine):
         self.name = f"central({inner.name if inner else 'remote'})"
         self.weight_version = inner.weight_version if inner is not None else 0
         g = groups
-        self.leader = g.tp_rank == 0 and g.pp_rank == 0 and g.cp_rank == 0
+        self.leader = g.is_dp_leader
 
     # -- collectives over the gloo objects group ------------------------------------------------
     def generate(

@@ -54,27 +54,27 @@ class RolloutEngine(abc.ABC):
         return False
 
 
-def check_behaviour_semantics(
+def check_behavior_semantics(
     sampling: SamplingParams,
     trainer_temperature: float,
-    objective: str,
+    behavior_ratio: bool,
     allow_truncation: bool = False,
 ) -> None:
     """Refuse engine/trainer settings under which ℓb is not the log-prob the objective assumes.
 
     The trainer computes ℓθ from logits / T over the full vocabulary. The engine's ℓb must be
-    taken at the same T; top-p/top-k change the sampled distribution, so for P3O/P4O (ratio
-    against πb) they must be off unless the trainer applies the same truncation
-    (``allow_truncation``).
+    taken at the same T; top-p/top-k change the sampled distribution, so for objectives whose
+    ratio is against πb (``Objective.behavior_ratio``: P3O, P4O) they must be off unless the
+    trainer applies the same truncation (``allow_truncation``).
     """
     if abs(sampling.temperature - trainer_temperature) > 1e-9:
         raise SamplingError(
             f"engine temperature {sampling.temperature} != trainer temperature "
             f"{trainer_temperature}: behaviour log-probs would come from another distribution"
         )
-    if sampling.truncated and objective in ("p3o", "p4o") and not allow_truncation:
+    if sampling.truncated and behavior_ratio and not allow_truncation:
         raise SamplingError(
-            f"objective {objective!r} takes its ratio against the engine's log-probs, but "
+            "the objective takes its ratio against the engine's log-probs, but "
             f"top_p={sampling.top_p} / top_k={sampling.top_k} truncate the sampled distribution "
             "and the trainer does not: disable them (top_p=1, top_k=0)"
         )

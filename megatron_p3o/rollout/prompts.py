@@ -19,6 +19,20 @@ import torch
 from ..errors import CheckpointError, DataError, InputFileError
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """Attributes: path (jsonl/parquet), eval_path (held-out set, optional), prompt_key,
+    answer_key, chat_template, shuffle, eval_every (steps; 0 = only at start and end)."""
+
+    path: str = ""
+    eval_path: str = ""
+    eval_every: int = 0
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    chat_template: bool = False
+    shuffle: bool = True
+
+
 @dataclass
 class PromptItem:
     index: int  # row in the file

@@ -1,9 +1,11 @@
 """Rollout scheduling: which prompts are rolled out with which weight version, and when.
 
 One rule covers the three regimes (synchronous, lagged sync every L steps, asynchronous with
-staleness bound K). The trainer *publishes* after each of its steps s = 0, 1, …: the new weight
-version s+1 (with the weights themselves when (s+1) % L == 0) and the difficult prompts the
-replay buffer wants re-evaluated. Rollout batch j (consumed by trainer step j) is generated
+staleness bound K). The rollout backend *publishes* after each trainer step s = 0, 1, …: a
+:class:`Publication` of the new weight version s+1 whose ``weights`` say what happened to them —
+:class:`NoWeights` (not a sync point), :class:`LoadWeights` (tensors this scheduler loads into
+its engine, (s+1) % L == 0) or :class:`WeightsPushed` (the backend pushed them to a server
+itself) — and the difficult prompts the replay buffer wants re-evaluated. Rollout batch j (consumed by trainer step j) is generated
 
     after publication j − K − 1, with the newest weights published up to it,
     i.e. weight version  L·⌊(j − K)/L⌋  (clamped to the run's first version),
@@ -24,56 +26,55 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..errors import UserError
 from ..types import Group, Sample, SamplingParams
+from .config import RolloutConfig, RolloutShard
 from .engine import RolloutEngine
 from .prompts import PromptData, PromptItem
 
 ScoreFn = Callable[[Sequence[Sample], Sequence[str]], List[float]]
 NamedTensors = List[Tuple[str, torch.Tensor]]
+BUCKET_BYTES = 64 * 2**20  # weight-sync bucket size for an engine this scheduler loads
+
+
+# -- what a publication carries about weights -------------------------------------------------
+@dataclass(frozen=True)
+class NoWeights:
+    """Not a sync point: the engine keeps the weights it holds."""
+
+    is_sync = False
 
 
 @dataclass(frozen=True)
-class RolloutPlan:
-    """Attributes:
-    prompts: prompts per batch on this DP rank.
-    n_samples: completions per prompt.
-    sampling: engine sampling parameters (the seed is set per batch).
-    sync_every: L.
-    max_staleness: K (0 = synchronous).
-    dynamic_sampling: refill all-equal-reward groups with fresh prompts (DAPO).
-    max_rounds: refill rounds per batch before giving up (the rest stay, counted).
-    logprob_noise: σ of Gaussian noise added to the behaviour log-probs (stress tests only).
-    seed: run seed; dp_rank: this rank (sampling seeds differ per DP rank).
-    bucket_bytes: weight-sync bucket size.
-    end: the first batch index not to produce (the run's last step); None = no end. An
-        async producer stops there, so nothing is generated that no step will train on, and
-        ranks sharing a server stop after the same batch.
-    """
+class LoadWeights:
+    """A sync point: full HF-named tensors that the scheduler loads into its engine."""
 
-    prompts: int
-    n_samples: int
-    sampling: SamplingParams
-    sync_every: int = 1
-    max_staleness: int = 0
-    dynamic_sampling: bool = False
-    max_rounds: int = 3
-    logprob_noise: float = 0.0
-    seed: int = 0
-    dp_rank: int = 0
-    bucket_bytes: int = 64 * 2**20
-    end: Optional[int] = None
+    tensors: NamedTensors
+    is_sync = True
+
+
+@dataclass(frozen=True)
+class WeightsPushed:
+    """A sync point whose weights the backend already pushed to the (remote) engine."""
+
+    is_sync = True
+
+
+WeightUpdate = Union[NoWeights, LoadWeights, WeightsPushed]
 
 
 @dataclass
 class Publication:
+    """After trainer step ``step``: weight version ``version``, what happened to the weights,
+    and the prompts the replay buffer wants re-evaluated."""
+
     step: int  # the trainer step that just ended (start − 1 for the initial weights)
     version: int
-    weights: Optional[NamedTensors]
+    weights: WeightUpdate
     reeval: List[Tuple[int, List[int], str]] = field(default_factory=list)
 
 
@@ -94,26 +95,25 @@ class RolloutScheduler:
         engine: RolloutEngine,
         data: PromptData,
         score: ScoreFn,
-        plan: RolloutPlan,
+        cfg: RolloutConfig,
+        shard: RolloutShard,
         start: int,
-        initial_weights: NamedTensors,
+        initial: WeightUpdate,
         pending: Sequence[dict] = (),
     ):
-        self.engine, self.data, self.score, self.plan = engine, data, score, plan
+        self.engine, self.data, self.score = engine, data, score
+        self.cfg, self.shard = cfg, shard
         self.start, self.consumed = start, start
         self.engine_lock = threading.RLock()
         self._cond = threading.Condition()
-        self._pubs: Dict[int, Publication] = {
-            start - 1: Publication(start - 1, start, initial_weights)
-        }
-        for (
-            p
-        ) in pending:  # re-evaluation requests published before a checkpoint, not yet rolled out
+        self._pubs: Dict[int, Publication] = {start - 1: Publication(start - 1, start, initial)}
+        # re-evaluation requests published before a checkpoint, not yet rolled out
+        for p in pending:
             old = self._pubs.get(int(p["step"]))
             self._pubs[int(p["step"])] = Publication(
                 int(p["step"]),
                 int(p["version"]),
-                old.weights if old else None,
+                old.weights if old else NoWeights(),
                 [tuple(x) for x in p["reeval"]],
             )
         self._data_before: Dict[int, dict] = {}
@@ -121,23 +121,19 @@ class RolloutScheduler:
         self._stop = False
         self._queue: "queue.Queue[RolloutResult]" = queue.Queue()
         self._thread = None
-        if plan.max_staleness > 0:
+        if cfg.max_staleness > 0:
             self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
             self._thread.start()
 
     # -- the trainer's side ---------------------------------------------------------------------
-    def publish(
-        self,
-        step: int,
-        version: int,
-        weights: Optional[NamedTensors],
-        reeval: Sequence[Tuple[int, List[int], str]] = (),
-    ) -> None:
-        """After trainer step ``step``: version ``version``, its weights (sync point) or None."""
-        if weights is not None:
-            weights = [(n, t.detach().clone()) for n, t in weights]  # training goes on in place
+    def publish(self, pub: Publication) -> None:
+        """After trainer step ``pub.step``: its weight version, weights and re-evaluations."""
+        if isinstance(pub.weights, LoadWeights):  # training goes on in place: keep a copy
+            pub = replace(
+                pub, weights=LoadWeights([(n, t.detach().clone()) for n, t in pub.weights.tensors])
+            )
         with self._cond:
-            self._pubs[step] = Publication(step, version, weights, list(reeval))
+            self._pubs[pub.step] = pub
             self._cond.notify_all()
 
     def next(self) -> RolloutResult:
@@ -160,8 +156,8 @@ class RolloutScheduler:
         assert res.index == j, (res.index, j)
         self.consumed += 1
         with self._cond:  # a checkpoint from now on restarts at batch `consumed`
-            keep = self.consumed - self.plan.max_staleness - 1
-            self._pubs = {s: p for s, p in self._pubs.items() if s >= keep or p.weights is not None}
+            keep = self.consumed - self.cfg.max_staleness - 1
+            self._pubs = {s: p for s, p in self._pubs.items() if s >= keep or p.weights.is_sync}
             self._data_before = {k: v for k, v in self._data_before.items() if k >= self.consumed}
         return res
 
@@ -169,7 +165,7 @@ class RolloutScheduler:
         """What a checkpoint after ``consumed`` batches needs to roll out batch ``consumed``
         again."""
         j = self.consumed
-        if self._thread is None or (self.plan.end is not None and j >= self.plan.end):
+        if self._thread is None or (self.shard.end is not None and j >= self.shard.end):
             data = self.data.state()  # nothing in flight: the producer stopped at the end
         else:
             with self._cond:
@@ -184,7 +180,7 @@ class RolloutScheduler:
             pending = [
                 {"step": p.step, "version": p.version, "reeval": [list(x) for x in p.reeval]}
                 for s, p in sorted(self._pubs.items())
-                if s >= j - self.plan.max_staleness - 1 and s >= self.start and p.reeval
+                if s >= j - self.cfg.max_staleness - 1 and s >= self.start and p.reeval
             ]
         return {"data": data, "pending": pending}
 
@@ -199,7 +195,7 @@ class RolloutScheduler:
     def _wait_for(self, j: int) -> Tuple[Publication, List]:
         """Block until publication j − K − 1 exists; return the weights to use and the prompts to
         re-evaluate."""
-        need = j - self.plan.max_staleness - 1
+        need = j - self.cfg.max_staleness - 1
         with self._cond:
             while need >= self.start and need not in self._pubs and not self._stop:
                 self._cond.wait(timeout=1.0)
@@ -208,13 +204,13 @@ class RolloutScheduler:
             with_w = [
                 p
                 for s, p in self._pubs.items()
-                if p.weights is not None and s <= max(need, self.start - 1)
+                if p.weights.is_sync and s <= max(need, self.start - 1)
             ]
             pub = max(with_w, key=lambda p: p.step)
             reeval = list(self._pubs[need].reeval) if need in self._pubs else []
             for old in self._pubs.values():
                 if old.step < pub.step:
-                    old.weights = None  # superseded: no later batch is generated with them
+                    old.weights = NoWeights()  # superseded: no later batch is made with them
             return pub, reeval
 
     def ensure_weights(self, pub: Publication) -> None:
@@ -222,19 +218,19 @@ class RolloutScheduler:
         from ..weight_sync import iter_hf_buckets
 
         with self.engine_lock:
-            # an empty list: the trainer pushed these weights itself (a central server)
-            if pub.weights and self.engine.weight_version != pub.version:
+            # WeightsPushed: the backend pushed them to its server itself
+            if isinstance(pub.weights, LoadWeights) and self.engine.weight_version != pub.version:
                 self.engine.update_weights(
-                    iter_hf_buckets(iter(pub.weights), self.plan.bucket_bytes), version=pub.version
+                    iter_hf_buckets(iter(pub.weights.tensors), BUCKET_BYTES), version=pub.version
                 )
 
     def _sampling(self, j: int, rnd: int) -> SamplingParams:
-        p = self.plan
-        return replace(p.sampling, seed=p.seed * 7919 + j * 31 + p.dp_rank + rnd * 1_000_003)
+        sh = self.shard
+        return replace(sh.sampling, seed=sh.seed * 7919 + j * 31 + sh.dp_rank + rnd * 1_000_003)
 
     def _roll(self, items: List[PromptItem], sources: List[str], j: int, rnd: int) -> List[Group]:
         samples = self.engine.generate(
-            [it.prompt_ids for it in items], self.plan.n_samples, self._sampling(j, rnd)
+            [it.prompt_ids for it in items], self.cfg.n_samples, self._sampling(j, rnd)
         )
         rewards = self.score(samples, [items[s.group_id].answer for s in samples])
         groups = [
@@ -247,7 +243,7 @@ class RolloutScheduler:
         return groups
 
     def _produce(self, j: int) -> RolloutResult:
-        p = self.plan
+        c, sh = self.cfg, self.shard
         pub, reeval = self._wait_for(j)
         t0 = time.perf_counter()
         with self.engine_lock:
@@ -255,14 +251,14 @@ class RolloutScheduler:
             with self._cond:
                 self._data_before[j] = self.data.state()
                 self._cond.notify_all()
-            reeval = reeval[: p.prompts]
+            reeval = reeval[: sh.prompts]
             items = [PromptItem(i, list(ids), a) for i, ids, a in reeval]
-            items += self.data.next_local(p.prompts - len(items))
+            items += self.data.next_local(sh.prompts - len(items))
             groups = self._roll(
-                items, ["reeval"] * len(reeval) + ["fresh"] * (p.prompts - len(reeval)), j, 0
+                items, ["reeval"] * len(reeval) + ["fresh"] * (sh.prompts - len(reeval)), j, 0
             )
             rounds, dropped = 0, []
-            while p.dynamic_sampling and rounds < p.max_rounds:
+            while c.dynamic_sampling and rounds < c.dynamic_max_rounds:
                 empty = [i for i, g in enumerate(groups) if g.homogeneous]
                 if not self.engine.any_rank(bool(empty)):
                     break
@@ -273,13 +269,13 @@ class RolloutScheduler:
                 for i, g in zip(empty, new):
                     dropped.append(groups[i])
                     groups[i] = g
-        if p.logprob_noise > 0:
-            gen = torch.Generator().manual_seed(p.seed * 104_729 + j * 13 + p.dp_rank)
+        if c.logprob_noise > 0:
+            gen = torch.Generator().manual_seed(sh.seed * 104_729 + j * 13 + sh.dp_rank)
             for g in groups:
                 for s in g.samples:
                     noise = (
                         torch.randn(len(s.logprobs), generator=gen, dtype=torch.float64)
-                        * p.logprob_noise
+                        * c.logprob_noise
                     )
                     s.logprobs = [x + float(e) for x, e in zip(s.logprobs, noise)]
         toks = sum(len(s.completion_ids) for g in groups for s in g.samples)
@@ -299,7 +295,7 @@ class RolloutScheduler:
     def _run(self) -> None:
         j = self.start
         try:
-            while self.plan.end is None or j < self.plan.end:
+            while self.shard.end is None or j < self.shard.end:
                 self._queue.put(self._produce(j))
                 j += 1
         except _Stopped:

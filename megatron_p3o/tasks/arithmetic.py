@@ -55,3 +55,11 @@ def write_jsonl(pairs, path: Path) -> None:
     with open(path, "w") as f:
         for a, b in pairs:
             f.write(json.dumps({"prompt": prompt(a, b), "answer": answer(a, b)}) + "\n")
+
+
+def reward(completion: str, answer: str) -> float:
+    """The task's reward: 1 if the completion is the answer. The character tokenizer decodes
+    with a space between tokens ("2 8"), which is this task's business, not the trainer's."""
+    from ..reward.exact_match import exact_match_reward
+
+    return exact_match_reward(completion.replace(" ", ""), answer)

@@ -9,7 +9,7 @@ import torch
 
 from megatron_p3o.checkpoint import load_model_state, save_model_state
 from megatron_p3o.loss import build_objective
-from megatron_p3o.loss.step_loss import StepLoss, StepLossConfig
+from megatron_p3o.policy_update import LossConfig, PolicyUpdate
 from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
 
 from .bodies import (
@@ -62,11 +62,11 @@ def p3o_grads(
     chunks = _build(family, groups)
     load_model_state(chunks, init)
     ddp = wrap_ddp(chunks, groups, OptimConfig())
-    step = StepLoss(
+    step = PolicyUpdate(
         build_objective(objective),
         groups,
         FAMILIES[family]["vocab_size"],
-        StepLossConfig(ess_scope=scope),
+        LossConfig(ess_scope=scope),
     )
     zero_grads(ddp)
     batch = make_rl_batch(family)
@@ -113,12 +113,12 @@ def p3o_reference(groups, family: str, init: str, compare_dirs=(), objective: st
     return {"loss": float(loss), "ess": e, "errors": errors}
 
 
-def nan_behaviour_error(groups, family: str, init: str):
+def nan_behavior_error(groups, family: str, init: str):
     """A NaN in ℓb at a valid position must raise an error naming the sample."""
     chunks = _build(family, groups)
     load_model_state(chunks, init)
     ddp = wrap_ddp(chunks, groups, OptimConfig())
-    step = StepLoss(build_objective("p3o"), groups, FAMILIES[family]["vocab_size"])
+    step = PolicyUpdate(build_objective("p3o"), groups, FAMILIES[family]["vocab_size"])
     b = make_rl_batch(family)
     r, t = 4, int(b["loss_mask"][4].nonzero()[0])
     b["behavior_logprobs"][r, t] = float("nan")

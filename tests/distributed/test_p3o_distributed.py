@@ -60,9 +60,9 @@ def test_microbatch_scope_differs_from_step_scope(pools, tmp_path, init_ckpts):
 
 
 @pytest.mark.distributed
-def test_nan_behaviour_logprob_names_the_sample(pools, init_ckpts):
+def test_nan_behavior_logprob_names_the_sample(pools, init_ckpts):
     msgs = pools(2).run(
-        p3o_bodies.nan_behaviour_error, Layout(dp=2), family="llama", init=init_ckpts("llama")
+        p3o_bodies.nan_behavior_error, Layout(dp=2), family="llama", init=init_ckpts("llama")
     )
     # sample 4 lives on DP rank 1 (rows 3..5); both ranks stop with the same sample named
     assert all(m is not None and "sample 4" in m and "nan" in m.lower() for m in msgs), msgs

@@ -155,4 +155,7 @@ def test_trainer_drives_one_server(base, tmp_path, layout):
     # at the last step; and two held-out evaluations of 24 prompts
     assert srv.generated == rollout + 2 * 24, (srv.generated, rollout)
     assert all(m["staleness_max"] <= 1 for m in lines) and all(0 < m["ess"] <= 1 for m in lines)
+    # the loss side lives on the last pipeline stage; the logger (rank 0) is the first (pp2)
+    for key in ("loss", "ratio_p99", "abs_logprob_diff", "k3_to_behavior", "log_ratio_hist"):
+        assert all(key in m for m in lines), (key, sorted(lines[0]))
     assert "held-out accuracy before training" in r.stdout

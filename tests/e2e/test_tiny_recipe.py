@@ -181,6 +181,11 @@ def test_off_policy_knobs(base, tmp_path):
     assert [m["staleness_max"] for m in lines] == [0, 1, 0]
     assert [m["weight_version"] for m in lines] == [1, 2, 3]
     assert all(0 < m["ess"] < 1 for m in lines)
+    for m in lines:  # every optimizer step of the rollout batch is in the record, not the last
+        assert m["opt_steps"] == 4 and len(m["ess_steps"]) == 4 and m["skipped_steps"] == 0
+        assert m["ess_min"] == min(m["ess_steps"])
+        assert m["ess_epoch0"] == pytest.approx(sum(m["ess_steps"][:2]) / 2)
+        assert m["ess_epoch1"] == pytest.approx(sum(m["ess_steps"][2:]) / 2)
 
 
 def test_base_model_matches_the_committed_config(base):

@@ -11,7 +11,7 @@ from megatron_p3o.rollout.embedded import (
     max_abs_diff,
     sampling_logprobs,
 )
-from megatron_p3o.rollout.engine import check_behaviour_semantics
+from megatron_p3o.rollout.engine import check_behavior_semantics
 from megatron_p3o.types import SamplingError, SamplingParams
 
 PROMPTS = [[1, 2, 3, 4], [7, 8], [9, 10, 11, 12, 13, 14]]
@@ -154,10 +154,16 @@ def test_bad_n_and_missing_weights(hf_model):
         e.update_weights([[("model.norm.weight", torch.zeros(3, 3))]], 1)
 
 
-def test_behaviour_semantics_are_enforced():
-    check_behaviour_semantics(SamplingParams(temperature=0.7), 0.7, "p3o")
+def test_behavior_semantics_are_enforced():
+    from megatron_p3o.loss import build_objective
+
+    p3o = build_objective("p3o")
+    assert p3o.behavior_ratio and not build_objective("grpo").behavior_ratio
+    check_behavior_semantics(SamplingParams(temperature=0.7), 0.7, p3o.behavior_ratio)
     with pytest.raises(SamplingError, match="temperature 0.7 != trainer temperature 1.0"):
-        check_behaviour_semantics(SamplingParams(temperature=0.7), 1.0, "p3o")
+        check_behavior_semantics(SamplingParams(temperature=0.7), 1.0, p3o.behavior_ratio)
     with pytest.raises(SamplingError, match="top_p=0.9"):
-        check_behaviour_semantics(SamplingParams(top_p=0.9), 1.0, "p3o")
-    check_behaviour_semantics(SamplingParams(top_p=0.9), 1.0, "grpo")
+        check_behavior_semantics(SamplingParams(top_p=0.9), 1.0, p3o.behavior_ratio)
+    check_behavior_semantics(
+        SamplingParams(top_p=0.9), 1.0, build_objective("grpo").behavior_ratio
+    )

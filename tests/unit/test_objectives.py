@@ -197,7 +197,7 @@ def test_p3o_keeps_gradient_where_grpo_clips():
     assert g_p3o[0, 0] < -1e-3  # descent raises ℓθ: the token keeps a capped, nonzero push
 
 
-def test_nan_behaviour_logprob_names_the_sample():
+def test_nan_behavior_logprob_names_the_sample():
     x = _data(0.3)
     lb = x["lb"].clone()
     lb[4, int(x["mask"][4].nonzero()[0])] = float("nan")

@@ -3,6 +3,7 @@ stress grid's cells are all valid recipes; the memory model's parameter counts e
 the transformers model built from the same config (on the meta device, no memory)."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,21 +34,31 @@ def test_dry_run(recipe, capsys, monkeypatch):
     assert "OK" in out and "memory per GPU" in out and "fits" in out and "DOES NOT FIT" not in out
 
 
+def _cli(monkeypatch, *args) -> int:
+    """The train CLI as a user runs it (user errors: one line on stderr, exit status 2)."""
+    from megatron_p3o.errors import run_cli
+
+    monkeypatch.setattr(sys, "argv", ["megatron_p3o.train", *args])
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, "megatron_p3o.train")
+    return e.value.code
+
+
 def test_dry_run_names_the_problem(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    r = ROOT / "recipes/qwen3_8b_h100x8.yaml"
-    assert main([str(r), "--dry-run", "--world-size", "6"]) == 2
+    r = str(ROOT / "recipes/qwen3_8b_h100x8.yaml")
+    assert _cli(monkeypatch, r, "--dry-run", "--world-size", "6") == 2
     assert "written for 4 GPUs but the launch has 6" in capsys.readouterr().err
-    assert (
-        main([str(r), "--dry-run", "--set", "parallel.world_size=6", "--set", "parallel.tp=4"]) == 2
-    )
+    sets = ["--set", "parallel.world_size=6", "--set", "parallel.tp=4"]
+    assert _cli(monkeypatch, r, "--dry-run", *sets) == 2
     assert "world size 6 is not divisible by tp×pp×cp = 4×1×1 = 4" in capsys.readouterr().err
-    assert (
-        main([str(r), "--dry-run", "--set", "parallel.tp=3", "--set", "parallel.world_size=6"]) == 2
-    )
+    sets = ["--set", "parallel.tp=3", "--set", "parallel.world_size=6"]
+    assert _cli(monkeypatch, r, "--dry-run", *sets) == 2
     assert "num_attention_heads=32 is not divisible by tp=3" in capsys.readouterr().err
-    assert main([str(r), "--dry-run", "--set", "batch.micro_batch_size=3"]) == 2
-    assert "not a multiple of dp × micro_batch_size = 2 × 3 = 6" in capsys.readouterr().err
+    assert _cli(monkeypatch, r, "--dry-run", "--set", "batch.micro_batch_size=3") == 2
+    err = capsys.readouterr().err
+    assert "not a multiple of dp × micro_batch_size = 2 × 3 = 6" in err
+    assert err.count("\n") == 1 and err.startswith("megatron_p3o.train: error: ")
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "tiny-llama"])

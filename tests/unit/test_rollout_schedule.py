@@ -16,7 +16,13 @@ import torch
 from megatron_p3o.replay import ReplayBuffer, ReplayConfig
 from megatron_p3o.rollout.engine import RolloutEngine
 from megatron_p3o.rollout.prompts import PromptData, remap_states
-from megatron_p3o.rollout.scheduler import RolloutPlan, RolloutScheduler
+from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
+from megatron_p3o.rollout.scheduler import (
+    LoadWeights,
+    NoWeights,
+    Publication,
+    RolloutScheduler,
+)
 from megatron_p3o.types import Group, Sample, SamplingParams
 
 
@@ -89,18 +95,16 @@ def make(
     tmp_path, K=0, L=1, start=0, dynamic=False, rounds=3, engine=None, dp_rank=0, dp=1, prompts=4
 ):
     data = PromptData(str(data_file(tmp_path)), Tok(), seed=3, dp_rank=dp_rank, dp_size=dp)
-    plan = RolloutPlan(
-        prompts=prompts,
+    cfg = RolloutConfig(
         n_samples=2,
-        sampling=SamplingParams(max_new_tokens=1),
         sync_every=L,
         max_staleness=K,
         dynamic_sampling=dynamic,
-        max_rounds=rounds,
-        seed=5,
+        dynamic_max_rounds=rounds,
     )
+    shard = RolloutShard(prompts=prompts, sampling=SamplingParams(max_new_tokens=1), seed=5)
     eng = engine or RecordingEngine()
-    return RolloutScheduler(eng, data, score, plan, start, W), eng, data
+    return RolloutScheduler(eng, data, score, cfg, shard, start, LoadWeights(W)), eng, data
 
 
 def run_schedule(sched, steps, start=0, L=1):
@@ -108,7 +112,7 @@ def run_schedule(sched, steps, start=0, L=1):
     for s in range(start, start + steps):
         res = sched.next()
         versions.append({x.weight_version for g in res.groups for x in g.samples})
-        sched.publish(s, s + 1, W if (s + 1) % L == 0 else None)
+        sched.publish(Publication(s, s + 1, LoadWeights(W) if (s + 1) % L == 0 else NoWeights()))
     sched.stop()
     return versions
 
@@ -135,7 +139,7 @@ def test_async_overlaps_and_matches_sync_batches(tmp_path):
         # No clock: a serial scheduler would never start it here and the wait would time out.
         if s < 3:
             assert eng.started.acquire(timeout=60), f"batch {s + 1} did not start during step {s}"
-        sched.publish(s, s + 1, W)
+        sched.publish(Publication(s, s + 1, LoadWeights(W)))
         if s < 3:
             sched.next()
     sched.stop()
@@ -145,7 +149,7 @@ def test_async_overlaps_and_matches_sync_batches(tmp_path):
     # same prompts and seeds in the same order; only the version labels follow the K=1 rule
     for j in range(4):
         ref.next()
-        ref.publish(j, j + 1, W)
+        ref.publish(Publication(j, j + 1, LoadWeights(W)))
     assert [c[1:] for c in eng.calls[:4]] == [c[1:] for c in ref_eng.calls[:4]]
     assert [c[0] for c in eng.calls[:4]] == [0, 0, 1, 2]
     assert first.index == 0
@@ -177,19 +181,21 @@ def test_scheduler_state_restarts_the_same_batch(tmp_path):
     restarted from that state rolls out the same batches 1 and 2."""
     sched, eng, _ = make(tmp_path, K=1)
     sched.next()
-    sched.publish(0, 1, W, reeval=[(7, [7], "mixed")])
+    sched.publish(Publication(0, 1, LoadWeights(W), [(7, [7], "mixed")]))
     st = json.loads(json.dumps(sched.state()))
     b1 = sched.next()
-    sched.publish(1, 2, W)
+    sched.publish(Publication(1, 2, LoadWeights(W)))
     b2 = sched.next()
     sched.stop()
     assert st["pending"] == [{"step": 0, "version": 1, "reeval": [[7, [7], "mixed"]]}]
     assert b2.groups[0].index == 7 and b2.groups[0].source == "reeval"
     data = PromptData(str(data_file(tmp_path)), Tok(), seed=3)
     data.load_state(st["data"])
-    again = RolloutScheduler(RecordingEngine(), data, score, sched.plan, 1, W, st["pending"])
+    again = RolloutScheduler(
+        RecordingEngine(), data, score, sched.cfg, sched.shard, 1, LoadWeights(W), st["pending"]
+    )
     b1r = again.next()
-    again.publish(1, 2, W)
+    again.publish(Publication(1, 2, LoadWeights(W)))
     b2r = again.next()
     again.stop()
     assert [g.index for g in b1r.groups] == [g.index for g in b1.groups]

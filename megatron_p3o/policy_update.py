@@ -1,6 +1,11 @@
-"""The objective wired into Megatron-Core's schedules: one normalizer and one e_B per step.
+"""The policy update of one optimizer step, driven through Megatron-Core's schedules: one
+normalizer and one e_B per step.
 
-Order of one optimizer step (``StepLoss.run``):
+Why a module of the trainer layer: this is the driver that runs Megatron's schedule (the ESS
+pre-pass, the ℓold recompute, the gradient pass) around the maths of ``loss/`` (log-prob
+kernel, global ESS, objectives), which stays pure.
+
+Order of one optimizer step (``PolicyUpdate.run``):
 1. Count the step's valid tokens and sequences on every rank and all-reduce them over DP:
    the single normalizer N_B (or the sequence count), known before any gradient.
 2. ESS pre-pass (scope ``step``, objectives that need e_B): a no-grad forward of every
@@ -12,45 +17,57 @@ Order of one optimizer step (``StepLoss.run``):
 3. Gradient pass through ``forward_backward``: each micro-batch returns Σ terms / N_B. Megatron
    only sums (``calculate_per_token_loss`` + our finalizer), so the gradient is that of one
    process holding the whole step batch.
+4. The loss-side metrics live on the last pipeline stage; they are sent to every stage so the
+   logger (global rank 0, first stage) writes them under PP > 1 too.
 
 Micro-batch keys: ``tokens``, ``targets``, ``loss_mask``, ``behavior_logprobs``, ``advantages``
 (all ``[b, s]``, aligned with ``targets``), optionally ``old_logprobs``, ``ref_logprobs``,
-``sample_index`` (``[b]``). OAPL's A* arrives in ``advantages`` (see ``oapl_advantages``).
+``sample_index`` (``[b]``). Objectives with their own advantages (OAPL's A*) deliver them in
+``advantages`` from the advantage stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..metrics import StepMetrics
-from ..model.forward import MicroBatch, forward_backward
-from ..parallel import ParallelGroups
-from .diagnostics import add_mismatch_metrics, finalize_mismatch
-from .ess import NonFiniteLogprobError, all_reduce_stats, check_finite, ess_from_stats, ess_stats
-from .logprob import vocab_parallel_logprobs
-from .registry import Objective
-from .terms import LossInputs, StepStats
+from .loss.diagnostics import add_mismatch_metrics, finalize_mismatch
+from .loss.ess import (
+    EmptyStepError,
+    NonFiniteLogprobError,
+    all_reduce_stats,
+    check_finite,
+    ess_from_stats,
+    ess_stats,
+)
+from .loss.logprob import vocab_parallel_logprobs
+from .loss.registry import Objective
+from .loss.terms import LossInputs, StepStats
+from .metrics import StepMetrics
+from .model.forward import MicroBatch, forward_backward
+from .parallel import LayoutError, ParallelGroups
 
 
 @dataclass(frozen=True)
-class StepLossConfig:
+class LossConfig:
     """Attributes:
-    temperature: sampling temperature; ℓθ is computed from logits / T.
+    objective: one of ``megatron_p3o.loss.OBJECTIVES`` (p3o by default).
+    hyper: the objective's hyper-parameters (checked against its dataclass).
     ess_scope: "step" (exact, one extra no-grad forward) or "microbatch" (FeynRL).
     nonfinite: "error" (default) or "mask" (drop and count) for NaN/inf log-probs.
-    logprob_chunk: tokens per chunk in the log-prob kernel (None = all).
+    logprob_chunk: tokens per block in the log-prob kernel (None = automatic).
     log_entropy: compute the policy entropy for metrics (one more reduction).
     prepass_fuse: micro-batches concatenated into one no-grad forward of the ESS pre-pass
         (fewer, larger forwards; costs k micro-batches' logits at once, no activations).
     """
 
-    temperature: float = 1.0
-    ess_scope: str = "step"
-    nonfinite: str = "error"
+    objective: str = "p3o"
+    hyper: Dict[str, Any] = field(default_factory=dict)
+    ess_scope: Literal["step", "microbatch"] = "step"
+    nonfinite: Literal["error", "mask"] = "error"
     logprob_chunk: Optional[int] = None
     log_entropy: bool = True
     prepass_fuse: int = 4
@@ -58,31 +75,36 @@ class StepLossConfig:
     def __post_init__(self):
         if self.prepass_fuse < 1:
             raise ValueError(f"loss.prepass_fuse={self.prepass_fuse} must be >= 1")
-        if self.ess_scope not in ("step", "microbatch"):
-            raise ValueError(f"loss.ess_scope={self.ess_scope!r}: use 'step' or 'microbatch'")
-        if self.nonfinite not in ("error", "mask"):
-            raise ValueError(f"loss.nonfinite={self.nonfinite!r}: use 'error' or 'mask'")
-        if self.temperature <= 0:
-            raise ValueError(f"loss.temperature={self.temperature} must be > 0")
+        if self.logprob_chunk is not None and self.logprob_chunk < 1:
+            raise ValueError(f"loss.logprob_chunk={self.logprob_chunk} must be >= 1")
 
 
-class StepLoss:
+class PolicyUpdate:
+    """Runs the objective over one optimizer step's micro-batches (see the module docstring).
+
+    ``temperature``: the sampling temperature; ℓθ is computed from logits / T.
+    """
+
     def __init__(
         self,
         objective: Objective,
         groups: ParallelGroups,
         vocab_size: int,
-        cfg: StepLossConfig = StepLossConfig(),
+        cfg: LossConfig = LossConfig(),
+        temperature: float = 1.0,
     ):
-        if objective.spec.whole_sequences and groups.layout.cp > 1:
-            raise ValueError(
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0")
+        if objective.spec.whole_sequences and groups.layout.cp_enabled:
+            raise LayoutError(
                 f"objective {objective.name!r} is nonlinear in each sequence's token sum, and "
                 f"context parallelism (cp={groups.layout.cp}) splits sequences; use cp=1"
             )
         self.objective, self.groups, self.vocab_size, self.cfg = objective, groups, vocab_size, cfg
+        self.temperature = temperature
 
     # -- stage 0: input checks -----------------------------------------------------------------
-    def _check_behaviour_logprobs(self, microbatches: List[MicroBatch]) -> None:
+    def _check_behavior_logprobs(self, microbatches: List[MicroBatch]) -> None:
         """Refuse non-finite ℓb on *every* rank before any collective (no rank is left waiting)."""
         if self.cfg.nonfinite != "error":
             return
@@ -125,14 +147,12 @@ class StepLoss:
             m = mb["loss_mask"].double()
             local[0] += m.sum()
             local[1] += (m.sum(-1) > 0).sum()
-        if self.groups.layout.dp > 1:
+        if self.groups.layout.dp_enabled:
             # DP group: each DP rank holds a disjoint share of the step's sequences (CP ranks of
             # one DP rank hold the same, not yet CP-sliced, micro-batches: no CP reduction here).
             dist.all_reduce(local, group=self.groups.dp)
         n_tok, n_seq = local.tolist()
         if n_tok <= 0:
-            from .ess import EmptyStepError
-
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
         return n_tok, n_seq
 
@@ -142,7 +162,7 @@ class StepLoss:
             logits,
             batch["targets"],
             self.groups.tp,
-            temperature=self.cfg.temperature,
+            temperature=self.temperature,
             chunk_size=self.cfg.logprob_chunk,
             vocab_size=self.vocab_size,
             with_entropy=entropy and (self.cfg.log_entropy or self.objective.needs_entropy),
@@ -214,7 +234,7 @@ class StepLoss:
             [float("nan") if v is None else v for v in (values or (None, None))],
             dtype=torch.float64,
         )
-        if self.groups.layout.pp > 1:
+        if self.groups.layout.pp_enabled:
             # PP group: only the last stage computed log-probs; share e_B with earlier stages.
             dist.broadcast(t, src=self.groups.last_stage_global_rank(), group=self.groups.pp)
         return tuple(None if v != v else v for v in t.tolist())
@@ -224,8 +244,8 @@ class StepLoss:
         """Store ``old_logprobs`` (ℓθ before this rollout batch's first update, no grad) in each
         micro-batch, for the objectives that ratio against πold/πprox (decoupled PPO, TIS, MIS,
         P4O). Computed on the last pipeline stage, where the loss runs."""
-        if self.groups.layout.cp > 1:
-            raise NotImplementedError(
+        if self.groups.layout.cp_enabled:
+            raise LayoutError(
                 "recomputing ℓold under context parallelism is not supported yet "
                 f"(objective needs it; cp={self.groups.layout.cp})"
             )
@@ -237,7 +257,7 @@ class StepLoss:
                     logits,
                     batch["targets"],
                     self.groups.tp,
-                    temperature=self.cfg.temperature,
+                    temperature=self.temperature,
                     chunk_size=self.cfg.logprob_chunk,
                     vocab_size=self.vocab_size,
                 )
@@ -257,7 +277,7 @@ class StepLoss:
         """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step."""
         for mb in microbatches:
             mb.setdefault("seq_len", mb["loss_mask"].sum(-1))
-        self._check_behaviour_logprobs(microbatches)
+        self._check_behavior_logprobs(microbatches)
         n_tok, n_seq = self._global_counts(microbatches)
         ess = ess_p = None
         step_scope = self.cfg.ess_scope == "step"
@@ -307,7 +327,18 @@ class StepLoss:
         if micro_ess:
             metrics["ess"] = sum(micro_ess) / len(micro_ess)
             metrics["ess_microbatch_min"] = min(micro_ess)
-        return metrics
+        return self._from_last_stage(metrics)
+
+    def _from_last_stage(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
+        """The last stage's metrics on every stage (the logger is global rank 0, a first stage)."""
+        if not self.groups.layout.pp_enabled:
+            return metrics
+        box = [metrics if self.groups.is_last_stage() else None]
+        # PP group: loss, ratios, k3, entropy and the histogram exist on the last stage only.
+        dist.broadcast_object_list(
+            box, src=self.groups.last_stage_global_rank(), group=self.groups.pp
+        )
+        return box[0]
 
 
 def _concat(mbs: List[MicroBatch]) -> MicroBatch:

@@ -1,0 +1,31 @@
+"""What a training run prints on rank 0: one line per step and the final accuracy table."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+
+def step_line(m: Dict) -> str:
+    """Reward, e_B, mismatch, loss and times of one trainer step (``Trainer.step``'s record)."""
+    nan, skip = float("nan"), m.get("skipped_steps", 0)
+    return (
+        f"step {m['step']:4d}  reward {m['reward_mean']:.3f}  ess {m.get('ess', nan):.3f}  "
+        f"|ℓθ−ℓb| {m.get('abs_logprob_diff', nan):.4f}  loss {m.get('loss', nan):+.4f}  "
+        f"rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s"
+        + (f"  [red]{skip:.0f} optimizer step(s) skipped: non-finite gradients" if skip else "")
+    )
+
+
+def accuracy_table(cfg, acc: Dict[int, float]):
+    """A rich table of held-out greedy accuracy by step."""
+    from rich.table import Table
+
+    t = Table(
+        title=f"{cfg.run.name}: held-out greedy accuracy ({cfg.rollout.precision} rollouts, "
+        f"{cfg.model.params_dtype} trainer, {cfg.loss.objective})"
+    )
+    t.add_column("step")
+    t.add_column("accuracy")
+    for k, v in acc.items():
+        t.add_row(str(k), f"{v:.3f}")
+    return t

@@ -1,0 +1,178 @@
+"""The rollout backend: everything the trainer asks of rollouts, behind one interface.
+
+Why: the trainer should not know whether its samples come from an engine on every rank or from
+one SGLang server for the whole job. A backend generates batch j at the weight version the
+schedule fixes (:mod:`.scheduler`), publishes the trainer's weights after each step (loading or
+pushing them at sync points), evaluates with the current weights, saves and restores its
+state, and stops. :func:`build_backend` is the only place that looks at ``rollout.engine``.
+
+Every method is called by every rank at the same point: at sync points ``publish`` and
+``evaluate`` gather weights over the model-parallel groups.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import replace
+from typing import List, Optional, Sequence, Tuple
+
+from ..parallel import ParallelGroups
+from ..types import Sample, SamplingParams
+from ..weight_sync.source import TrainerWeights
+from .config import RolloutConfig, RolloutShard
+from .engine import RolloutEngine
+from .prompts import PromptData
+from .scheduler import (
+    LoadWeights,
+    NoWeights,
+    Publication,
+    RolloutResult,
+    RolloutScheduler,
+    ScoreFn,
+    WeightsPushed,
+    WeightUpdate,
+)
+
+Reeval = Sequence[Tuple[int, List[int], str]]
+
+
+class RolloutBackend(abc.ABC):
+    """Batches at scheduled weight versions; weight publication; evaluation; state; stop."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        weights: TrainerWeights,
+        data: PromptData,
+        score: ScoreFn,
+        cfg: RolloutConfig,
+        shard: RolloutShard,
+        start: int,
+        pending: Sequence[dict],
+    ):
+        self.engine, self.weights, self.cfg = engine, weights, cfg
+        self.scheduler: Optional[RolloutScheduler] = None
+        initial = self._sync(start)  # the engine gets the trainer's weights (resumed runs too)
+        self.scheduler = RolloutScheduler(engine, data, score, cfg, shard, start, initial, pending)
+
+    @abc.abstractmethod
+    def _sync(self, version: int) -> WeightUpdate:
+        """Make the trainer's current weights version ``version`` of the engine (all ranks)."""
+
+    @abc.abstractmethod
+    def evaluate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, version: int):
+        """One completion per prompt with the trainer's current weights (all ranks)."""
+
+    def next_batch(self) -> RolloutResult:
+        """The next rollout batch (blocks until the schedule's weight version produced it)."""
+        return self.scheduler.next()
+
+    def publish(self, step: int, reeval: Reeval = ()) -> None:
+        """After optimizer step ``step``: version ``step + 1``, synced every ``sync_every``."""
+        version = step + 1
+        sync = version % self.cfg.sync_every == 0
+        update = self._sync(version) if sync else NoWeights()
+        self.scheduler.publish(Publication(step, version, update, list(reeval)))
+
+    def state(self) -> dict:
+        """The data cursor before the next unconsumed batch and pending re-evaluations."""
+        return self.scheduler.state()
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        self.engine.stop()
+
+
+class EmbeddedBackend(RolloutBackend):
+    """An engine on every rank (transformers, in a chosen precision): the model-parallel ranks
+    of one DP rank hold identical engines with identical seeds and need not talk."""
+
+    def _sync(self, version: int) -> WeightUpdate:
+        return LoadWeights(self.weights.full())
+
+    def evaluate(self, prompts, sampling, version) -> List[Sample]:
+        pub = Publication(version - 1, version, self._sync(version))
+        s = self.scheduler
+        with s.engine_lock:  # borrowed from the rollout producer for the duration
+            s.ensure_weights(pub)
+            return self.engine.generate(prompts, 1, sampling)
+
+
+class SGLangBackend(RolloutBackend):
+    """One SGLang server (or router) for the whole job, driven from global rank 0
+    (:mod:`.central`); weights stream to rank 0 and are pushed at every sync point."""
+
+    def __init__(self, producer, evaluator, weights, data, score, cfg, shard, start, pending):
+        self.evaluator = evaluator  # a second view with its own object group (see central)
+        super().__init__(producer, weights, data, score, cfg, shard, start, pending)
+
+    def _sync(self, version: int) -> WeightUpdate:
+        from ..weight_sync import iter_hf_buckets
+
+        buckets = iter_hf_buckets(self.weights.to_rank0(), 256 * 2**20)
+        self.engine.update_weights(buckets, version)
+        self.evaluator.weight_version = version
+        return WeightsPushed()
+
+    def evaluate(self, prompts, sampling, version) -> List[Sample]:
+        return self.evaluator.generate(prompts, 1, sampling)  # the last sync point's weights
+
+
+def build_backend(
+    cfg: RolloutConfig,
+    groups: ParallelGroups,
+    weights: TrainerWeights,
+    data: PromptData,
+    score: ScoreFn,
+    shard: RolloutShard,
+    start: int,
+    pending: Sequence[dict],
+    params_dtype: str,
+    pad_token_id: int,
+) -> RolloutBackend:
+    """The backend ``cfg.engine`` names; engines it started are stopped if it fails."""
+    from ..model.description import description_to_hf_config
+
+    if cfg.engine == "embedded":
+        from .embedded import EmbeddedEngine
+
+        hf = description_to_hf_config(weights.desc)
+        engine = EmbeddedEngine(hf, cfg.precision, pad_token_id=pad_token_id)
+        return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, pending)
+    hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
+    producer, evaluator = _central_engines(cfg, groups, hf)
+    try:
+        return SGLangBackend(producer, evaluator, weights, data, score, cfg, shard, start, pending)
+    except BaseException:
+        producer.stop()
+        raise
+
+
+def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict):
+    """SGLang on global rank 0, driven for every rank: one view for the rollout producer, one
+    for evaluation, each with its own object group."""
+    import os
+
+    from ..parallel import new_object_group
+    from .central import CentralEngine
+    from .sglang_engine import SGLangEngine, SGLangFleet
+
+    inner = None
+    if groups.rank == 0:
+        router = SGLangEngine(cfg.sglang)
+        workers = [SGLangEngine(replace(cfg.sglang, url=u)) for u in cfg.sglang_workers]
+        inner = SGLangFleet(router, workers or [router]).start()
+        try:
+            if cfg.weight_sync == "nccl":
+                master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                inner.init_weight_update_groups(master, cfg.weight_sync_port)
+        except BaseException:
+            inner.stop()
+            raise
+    return tuple(
+        CentralEngine(
+            inner, groups, new_object_group(), cfg.weight_sync, cfg.weight_sync_dir, hf_config
+        )
+        for _ in range(2)
+    )

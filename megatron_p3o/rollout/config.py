@@ -1,0 +1,76 @@
+"""The rollout stage's configuration (``rollout:`` in a recipe) and this rank's share of it.
+
+Why here: the component that reads a setting owns its dataclass; ``config.TrainConfig`` only
+nests it. The scheduler and the backends take these objects as they are, with no twin struct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+from ..types import SamplingParams
+from .sglang_engine import SGLangConfig
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Attributes:
+    engine: "embedded" (CPU, transformers) or "sglang".
+    precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block).
+    n_samples: completions per prompt (the GRPO group size G).
+    sampling: sampling parameters (``stop_token_ids`` gets the tokenizer's EOS added; ``seed``
+        is set per batch by the scheduler).
+    sync_every: push weights to the engine every L optimizer steps (OAPL's L).
+    max_staleness: asynchronous rollouts may lag the trainer by at most K versions (0: sync).
+    dynamic_sampling: DAPO dynamic sampling — refill groups whose rewards are all equal with
+        fresh prompts, up to ``dynamic_max_rounds`` rounds per batch.
+    logprob_noise: stress tests only — σ of Gaussian noise added to the behaviour log-probs.
+    engine_temperature: stress tests only — let the engine sample at another temperature
+        than the trainer's ``sampling.temperature`` (None: the same, as it must be).
+    sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
+    weight_sync: how weights reach SGLang — "nccl" (update_weights_from_distributed,
+        disaggregated GPUs), "colocated" (CUDA IPC, same GPUs) or "disk" (fallback).
+    weight_sync_dir: shared directory for the "disk" mode.
+    weight_sync_port: TCP port on trainer rank 0 for the "nccl" weight-update rendezvous
+        (worker i uses weight_sync_port + i).
+    sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
+        weights are pushed to each of them (empty: ``sglang.url`` is the one server).
+    """
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    precision: Literal["fp32", "bf16", "fp16", "fp8", "fp8_block"] = "bf16"
+    n_samples: int = 8
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sync_every: int = 1
+    max_staleness: int = 0
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 3
+    logprob_noise: float = 0.0
+    engine_temperature: Optional[float] = None
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    weight_sync: Literal["nccl", "colocated", "disk"] = "nccl"
+    weight_sync_dir: str = ""
+    weight_sync_port: int = 29650
+    sglang_workers: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RolloutShard:
+    """What one DP rank rolls out: derived at launch from the recipe and the layout.
+
+    Attributes:
+        prompts: prompts per rollout batch on this DP rank.
+        sampling: the engine's sampling parameters (EOS added; the stress knob
+            ``engine_temperature`` applied).
+        seed: run seed; dp_rank: this rank (sampling seeds differ per DP rank).
+        end: the first batch index not to produce (the run's last step); None = no end. An
+            async producer stops there, so nothing is generated that no step trains on, and
+            ranks sharing a server stop after the same batch.
+    """
+
+    prompts: int
+    sampling: SamplingParams
+    seed: int = 0
+    dp_rank: int = 0
+    end: Optional[int] = None

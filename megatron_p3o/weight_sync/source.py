@@ -1,0 +1,44 @@
+"""The trainer's live weights, as the rollout backends ask for them.
+
+Why: an embedded engine on every rank needs the full HF-named tensors on every rank; a central
+server needs them streamed to global rank 0 only. Both are collectives over the model-parallel
+groups, so every rank calls the same method at the same point.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..model.description import ModelDescription
+from ..parallel import ParallelGroups
+from .export import iter_hf_tensors
+
+NamedTensors = List[Tuple[str, torch.Tensor]]
+
+
+class TrainerWeights:
+    """HF-named views of the model chunks of this rank's pipeline stage."""
+
+    def __init__(
+        self, chunks: Sequence[torch.nn.Module], groups: ParallelGroups, desc: ModelDescription
+    ):
+        self.chunks, self.groups, self.desc = chunks, groups, desc
+
+    def full(self) -> NamedTensors:
+        """Every HF tensor, full size, on every rank (all ranks call this)."""
+        tensors = list(iter_hf_tensors(self.chunks, self.groups, self.desc))
+        if self.groups.layout.pp_enabled:
+            parts: List = [None] * self.groups.layout.pp
+            # PP group: each stage exported its own layers; every rank's engine needs them all.
+            dist.all_gather_object(parts, tensors, group=self.groups.pp)
+            tensors = [t for p in parts for t in p]
+        return tensors
+
+    def to_rank0(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every HF tensor, streamed stage by stage to global rank 0 (all ranks iterate)."""
+        from .stream import iter_hf_tensors_to_rank0
+
+        return iter_hf_tensors_to_rank0(self.chunks, self.groups, self.desc)
