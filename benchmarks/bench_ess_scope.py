@@ -30,7 +30,6 @@ def main():
     from rich.table import Table
 
     from megatron_p3o.loss import build_objective
-    from megatron_p3o.policy_update import LossConfig, PolicyUpdate
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
     from megatron_p3o.model.forward import next_token_targets
@@ -42,6 +41,7 @@ def main():
         zero_grads,
     )
     from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.policy_update import LossConfig, PolicyUpdate
 
     groups = initialize(Layout())
     desc = ModelDescription(

@@ -5,7 +5,8 @@ staleness bound K). The rollout backend *publishes* after each trainer step s = 
 :class:`Publication` of the new weight version s+1 whose ``weights`` say what happened to them —
 :class:`NoWeights` (not a sync point), :class:`LoadWeights` (tensors this scheduler loads into
 its engine, (s+1) % L == 0) or :class:`WeightsPushed` (the backend pushed them to a server
-itself) — and the difficult prompts the replay buffer wants re-evaluated. Rollout batch j (consumed by trainer step j) is generated
+itself) — and the difficult prompts the replay buffer wants re-evaluated. Rollout batch j
+(consumed by trainer step j) is generated
 
     after publication j − K − 1, with the newest weights published up to it,
     i.e. weight version  L·⌊(j − K)/L⌋  (clamped to the run's first version),

@@ -9,8 +9,8 @@ import torch
 
 from megatron_p3o.checkpoint import load_model_state, save_model_state
 from megatron_p3o.loss import build_objective
-from megatron_p3o.policy_update import LossConfig, PolicyUpdate
 from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
+from megatron_p3o.policy_update import LossConfig, PolicyUpdate
 
 from .bodies import (
     FAMILIES,

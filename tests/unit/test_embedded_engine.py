@@ -164,6 +164,4 @@ def test_behavior_semantics_are_enforced():
         check_behavior_semantics(SamplingParams(temperature=0.7), 1.0, p3o.behavior_ratio)
     with pytest.raises(SamplingError, match="top_p=0.9"):
         check_behavior_semantics(SamplingParams(top_p=0.9), 1.0, p3o.behavior_ratio)
-    check_behavior_semantics(
-        SamplingParams(top_p=0.9), 1.0, build_objective("grpo").behavior_ratio
-    )
+    check_behavior_semantics(SamplingParams(top_p=0.9), 1.0, build_objective("grpo").behavior_ratio)
