@@ -33,7 +33,10 @@ setup(
     ],
     extras_require={
         # GPU clusters only. NVIDIA apex is optional and built from source; never the PyPI 'apex'.
-        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        "gpu": ["transformer-engine[pytorch]"],
+        # SGLang pins its own torch (2.14.1) and transformers: install it in a separate
+        # environment (README: two environments); the trainer only talks to it over HTTP/NCCL.
+        "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
         "dev": ["pytest>=8", "ruff"],
     },
 )

@@ -33,9 +33,10 @@ def megatron_logits(ckpt_dir: str, ids: torch.Tensor, groups=None) -> torch.Tens
     )
     load_model_state([model], ckpt_dir)
     model.eval()
-    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    ids = ids.to(groups.device)  # the model lives on the training device (GPU when present)
+    pos = torch.arange(ids.shape[1], device=groups.device)[None].expand_as(ids)
     with torch.no_grad():
-        return model(ids, pos, None)[..., : desc.vocab_size].float()
+        return model(ids, pos, None)[..., : desc.vocab_size].float().cpu()
 
 
 def verify(hf_dir: str, ckpt_dir: str, seq: int = 64, prompts: int = 4, seed: int = 0) -> dict:

@@ -92,19 +92,45 @@ def save_model_state(
     return final
 
 
+# Transformer Engine layers carry an ``_extra_state`` (FP8 scaling metadata) that the local spec,
+# and so the converter's checkpoints, do not have: the only keys a load may find absent.
+EXTRA_STATE = "_extra_state"
+
+
 def _load(request: dict, ckpt_dir: Path) -> dict:
-    """``dist_checkpointing.load``; a checkpoint of another model is a :class:`CheckpointError`."""
+    """``dist_checkpointing.load`` that tolerates a model's TE ``_extra_state`` missing from the
+    checkpoint (a TE model loading a local-spec checkpoint); anything else missing, or a
+    checkpoint of another model, is a :class:`CheckpointError`."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     try:
-        return dist_checkpointing.load(request, str(ckpt_dir))
+        # "unexpected" = requested by the model but absent from the checkpoint
+        loaded, _, absent = dist_checkpointing.load(
+            request, str(ckpt_dir), strict=StrictHandling.RETURN_UNEXPECTED
+        )
     except CheckpointingException as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"{ckpt_dir} does not match the model being loaded (another model or layout "
             f"description?): {first[:300]}"
         ) from e
+    lacking = sorted(k for k in absent if EXTRA_STATE not in k)
+    if lacking:
+        raise CheckpointError(
+            f"{ckpt_dir} lacks {len(lacking)} tensors the model needs, e.g. {lacking[:3]}"
+        )
+    return loaded
+
+
+def _load_into(chunk: torch.nn.Module, state: dict, ckpt_dir: Path) -> None:
+    """``load_state_dict`` where only TE ``_extra_state`` entries may be absent (they keep the
+    freshly initialised FP8 metadata)."""
+    missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False)
+    bad = [k for k in missing if not k.endswith(EXTRA_STATE)] + list(unexpected)
+    if bad:
+        raise CheckpointError(f"{ckpt_dir}: state does not fit the model: {bad[:3]}")
 
 
 def load_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
@@ -117,7 +143,7 @@ def load_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) ->
         )
     loaded = _load(sharded_model_state(chunks), ckpt_dir)
     for i, c in enumerate(chunks):
-        _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=True)
+        _load_into(c, loaded[f"model{i}"], ckpt_dir)
 
 
 # -- training checkpoints: model + optimizer + scheduler + trainer state + per-rank RNG --------
@@ -210,7 +236,7 @@ def load_training_checkpoint(ckpt: Path, chunks, optimizer, scheduler) -> dict:
     request = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
     loaded = _load(request, ckpt)
     for i, c in enumerate(chunks):
-        _unwrap(c).load_state_dict(loaded[f"model{i}"], strict=True)
+        _load_into(c, loaded[f"model{i}"], Path(ckpt))
     optimizer.load_state_dict(loaded["optimizer"])
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
     scheduler.load_state_dict(common["scheduler"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class TrainConfig:
         from .loss import build_objective
         from .parallel import Layout, LayoutError
 
+        self._check_sglang(world_size)
         if (
             self.rollout.weight_sync == "disk"
             and self.rollout.engine == "sglang"
@@ -141,6 +143,35 @@ class TrainConfig:
                 f"micro_batch_size = {lay.dp} × {self.batch.micro_batch_size} = {per_step}"
             )
         return self
+
+    def _check_sglang(self, world_size: int) -> None:
+        r = self.rollout
+        if r.engine == "sglang" and r.sglang.kv_cache_dtype == "fp8_e5m2":
+            raise ConfigError(
+                "rollout.sglang.kv_cache_dtype=fp8_e5m2 forces SGLang's triton attention "
+                "backend; use fp8_e4m3"
+            )
+
+    def check_rollout_gpus(self, world_size: int) -> None:
+        """At launch (not in --dry-run, where the batch script has not yet named the servers):
+        an NCCL weight group whose launched server shares a GPU with a trainer rank cannot form
+        (NCCL: duplicate GPU)."""
+        r = self.rollout
+        if r.engine != "sglang" or r.weight_sync != "nccl" or r.sglang.url is not None:
+            return  # attached servers: the batch script placed them on their own GPUs
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(local)]
+        train = {x.strip() for x in ids[:local]}
+        server = None if r.sglang.gpus is None else {x.strip() for x in r.sglang.gpus.split(",")}
+        if server is None or server & train:
+            shared = "all of them" if server is None else ",".join(sorted(server & train))
+            raise ConfigError(
+                f"rollout.weight_sync=nccl with a launched SGLang server on the training GPUs "
+                f"({shared}; trainer GPUs {','.join(sorted(train))}): NCCL refuses a group with "
+                "two ranks on one GPU. Give rollout.sglang.gpus GPUs of their own, or use "
+                "weight_sync=colocated or disk"
+            )
 
     def batch_arithmetic(self, dp: int) -> str:
         """The derived batch numbers of one rollout batch (printed at launch and by --dry-run)."""

@@ -47,28 +47,33 @@ class StepMetrics:
             min=-LOG_HIST_RANGE,
             max=LOG_HIST_RANGE,
         )
-        self.hists[name] = self.hists.get(name, torch.zeros(LOG_HIST_BINS, dtype=torch.float64)) + h
+        zero = torch.zeros(LOG_HIST_BINS, dtype=torch.float64, device=h.device)
+        self.hists[name] = self.hists.get(name, zero) + h
 
-    def reduce(self, group: Optional[dist.ProcessGroup]) -> "StepMetrics":
-        """Sum / max over ``group`` (DP×CP on the last stage). Every rank must hold the same
-        names."""
+    def reduce(
+        self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None
+    ) -> "StepMetrics":
+        """Sum / max over ``group`` (DP×CP on the last stage), with the reduced tensors on
+        ``device`` (the training device: NCCL refuses CPU tensors). Every rank must hold the
+        same names."""
         if group is None or dist.get_world_size(group) == 1:
             return self
+        dev = device or torch.device("cpu")
         names = sorted(self.sums)
         if names:
-            t = torch.tensor([self.sums[n] for n in names], dtype=torch.float64)
+            t = torch.tensor([self.sums[n] for n in names], dtype=torch.float64, device=dev)
             # DP×CP: each rank accumulated a disjoint part of the step's tokens.
             dist.all_reduce(t, group=group)
             for n, row in zip(names, t.tolist()):
                 self.sums[n] = row
         mnames = sorted(self.maxes)
         if mnames:
-            t = torch.tensor([self.maxes[n] for n in mnames], dtype=torch.float64)
+            t = torch.tensor([self.maxes[n] for n in mnames], dtype=torch.float64, device=dev)
             # DP×CP: the step's maximum over every rank's tokens.
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             self.maxes.update(zip(mnames, t.tolist()))
         for n in sorted(self.hists):
-            h = self.hists[n].clone()
+            h = self.hists[n].to(dev, copy=True)
             # DP×CP: histogram counts of the whole step, for global quantiles.
             dist.all_reduce(h, group=group)
             self.hists[n] = h
@@ -84,7 +89,8 @@ class StepMetrics:
             cdf = torch.cumsum(h, 0) / total
             width = 2 * LOG_HIST_RANGE / LOG_HIST_BINS
             for q in (50, 90, 99):
-                i = int(torch.searchsorted(cdf, torch.tensor(q / 100.0, dtype=torch.float64)))
+                at = torch.tensor(q / 100.0, dtype=torch.float64, device=cdf.device)
+                i = int(torch.searchsorted(cdf, at))
                 out[f"{n}_p{q}"] = math.exp(-LOG_HIST_RANGE + (i + 0.5) * width)
         return out
 
@@ -95,9 +101,11 @@ class StepMetrics:
         if h is None:
             return []
         width = 2 * LOG_HIST_RANGE / LOG_HIST_BINS
-        centers = -LOG_HIST_RANGE + (torch.arange(LOG_HIST_BINS, dtype=torch.float64) + 0.5) * width
+        ar = torch.arange(LOG_HIST_BINS, dtype=torch.float64, device=h.device)
+        centers = -LOG_HIST_RANGE + (ar + 0.5) * width
         idx = ((centers + half_range) / (2 * half_range) * bins).floor().clamp(0, bins - 1).long()
-        return torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, h).tolist()
+        out = torch.zeros(bins, dtype=torch.float64, device=h.device)
+        return out.index_add_(0, idx, h).tolist()
 
 
 class PhaseTimer:

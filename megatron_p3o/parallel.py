@@ -187,6 +187,14 @@ class ParallelGroups:
         return dist.get_rank(self.dp_cp)
 
     @property
+    def device(self) -> torch.device:
+        """Where every tensor bound for the model or a collective lives: this rank's GPU (NCCL
+        refuses CPU tensors), or the CPU under gloo. Host-side bookkeeping says so."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
     def is_dp_leader(self) -> bool:
         """The rank that speaks for its DP rank (TP = PP = CP = 0): data cursors, rollouts."""
         return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0

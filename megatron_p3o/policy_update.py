@@ -125,7 +125,7 @@ class PolicyUpdate:
             if msg:
                 raise NonFiniteLogprobError(msg)
             return
-        flag = torch.tensor([1.0 if msg else 0.0])
+        flag = torch.tensor([1.0 if msg else 0.0], device=self.groups.device)
         # World group: any rank's bad input must stop every rank, or the others hang in the
         # next collective.
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -142,11 +142,12 @@ class PolicyUpdate:
 
     # -- stage 1: counts -------------------------------------------------------------------
     def _global_counts(self, microbatches: List[MicroBatch]) -> tuple:
-        local = torch.zeros(2, dtype=torch.float64)
+        n_tok = n_seq = 0.0  # host-side sums of the (host) micro-batches' masks
         for mb in microbatches:
             m = mb["loss_mask"].double()
-            local[0] += m.sum()
-            local[1] += (m.sum(-1) > 0).sum()
+            n_tok += float(m.sum())
+            n_seq += float((m.sum(-1) > 0).sum())
+        local = torch.tensor([n_tok, n_seq], dtype=torch.float64, device=self.groups.device)
         if self.groups.layout.dp_enabled:
             # DP group: each DP rank holds a disjoint share of the step's sequences (CP ranks of
             # one DP rank hold the same, not yet CP-sliced, micro-batches: no CP reduction here).
@@ -214,7 +215,7 @@ class PolicyUpdate:
             with torch.no_grad():
                 lp, ent, mask = self._logprobs(batch, logits, entropy=False)
                 acc.append(self._ess_stats(self._inputs(batch, lp, ent, mask)))
-            return torch.zeros(()), 0, {}
+            return torch.zeros((), device=logits.device), 0, {}
 
         k = self.cfg.prepass_fuse
         fused = [_concat(microbatches[i : i + k]) for i in range(0, len(microbatches), k)]
@@ -233,6 +234,7 @@ class PolicyUpdate:
         t = torch.tensor(
             [float("nan") if v is None else v for v in (values or (None, None))],
             dtype=torch.float64,
+            device=self.groups.device,
         )
         if self.groups.layout.pp_enabled:
             # PP group: only the last stage computed log-probs; share e_B with earlier stages.
@@ -262,7 +264,7 @@ class PolicyUpdate:
                     vocab_size=self.vocab_size,
                 )
                 out.append(lp.float() * batch["loss_mask"].to(torch.float32))
-            return torch.zeros(()), 0, {}
+            return torch.zeros((), device=logits.device), 0, {}
 
         with torch.no_grad():
             forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=True)
@@ -313,7 +315,7 @@ class PolicyUpdate:
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
         if self.groups.is_last_stage():
-            res = finalize_mismatch(acc.reduce(self.groups.dp_cp).result())
+            res = finalize_mismatch(acc.reduce(self.groups.dp_cp, self.groups.device).result())
             res["log_ratio_hist"] = acc.coarse_hist(
                 "ratio", bins=200
             )  # 0.02-wide bins, log ρ ∈ [−2, 2]

@@ -33,8 +33,10 @@ def main(argv=None) -> int:
     from megatron_p3o.parallel import Layout, init_distributed, initialize
     from megatron_p3o.trainer import Trainer
 
+    if cfg.parallel.tp > 1:  # Megatron's TP comm/compute overlap needs one CUDA queue
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     init_distributed()
-    cfg.validate(dist.get_world_size())
+    cfg.validate(dist.get_world_size()).check_rollout_gpus(dist.get_world_size())
     p = cfg.parallel
     layout = Layout(p.tp, p.pp, p.cp, None, p.vpp, p.sequence_parallel)
     groups = initialize(layout, seed=cfg.run.seed)

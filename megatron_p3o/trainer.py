@@ -207,7 +207,7 @@ class Trainer:
         b = self.cfg.batch
         # versions behind the policy this step trained (step_idx has moved on to the next)
         trained = self.step_idx - 1
-        stale = torch.tensor([float(trained - s.weight_version) for s in batch.samples])
+        stale = torch.tensor([float(trained - s.weight_version) for s in batch.samples])  # host
         toks = sum(len(s.completion_ids) for s in batch.samples)
         n_steps = b.epochs * b.minibatches
         out = {
@@ -251,12 +251,13 @@ class Trainer:
         if not self.groups.layout.dp_enabled:
             return
         keys = self._DP_SUMS + self._DP_MEANS
-        t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        dev = self.groups.device
+        t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
         dist.all_reduce(t, group=self.groups.dp)
         for k, v in zip(keys, t.tolist()):
             if k in out:
                 out[k] = v if k in self._DP_SUMS else v / dp
-        m = torch.tensor([out["staleness_max"]], dtype=torch.float64)
+        m = torch.tensor([out["staleness_max"]], dtype=torch.float64, device=dev)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
         out["staleness_max"] = float(m)
 
@@ -279,7 +280,7 @@ class Trainer:
             float(self.reward_fn(self._decode(s.completion_ids), rows[s.group_id][1]))
             for s in samples
         )
-        t = torch.tensor([correct, len(rows)], dtype=torch.float64)
+        t = torch.tensor([correct, len(rows)], dtype=torch.float64, device=self.groups.device)
         if self.groups.layout.dp_enabled:
             # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
             dist.all_reduce(t, group=self.groups.dp)

@@ -9,6 +9,12 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+# SGLang's pinned release, read as text (never imported) by tests/unit/test_sglang_protocol.py
+SGLANG_PIN=$(sed -n 's/.*"sglang==\([0-9.]*\)".*/\1/p' setup.py | head -1)
+if ! ls .cache/sglang/sglang-"$SGLANG_PIN"-*.whl > /dev/null 2>&1; then
+  python -m pip download -q --no-deps --only-binary=:all: "sglang==$SGLANG_PIN" -d .cache/sglang \
+    || echo "warning: sglang $SGLANG_PIN wheel not fetched; the protocol test will be skipped"
+fi
 # lint and format (ruff.toml): a failure here stops the run before the slow suite
 ruff check .
 ruff format --check .

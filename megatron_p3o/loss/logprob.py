@@ -168,12 +168,20 @@ class _VocabParallelLogprob(torch.autograd.Function):
         grad = flat if inplace and flat.is_contiguous() else torch.empty_like(flat)
         if real < v_local:
             grad[:, real:] = 0  # padded vocabulary columns get no gradient
-        g_lp = g_logp.reshape(-1).float() if g_logp is not None else torch.zeros(n)
+        g_lp = (
+            g_logp.reshape(-1).float()
+            if g_logp is not None
+            else torch.zeros(n, device=logits.device)
+        )
         use_ent = with_entropy and g_ent is not None
         g_h = g_ent.reshape(-1).float() if use_ent else None
         hit = torch.where(in_shard, g_lp, torch.zeros_like(g_lp)) * inv_t
         direct = grad.dtype == torch.float32
-        scratch = None if direct else torch.empty(rows, max(real, 1), dtype=torch.float32)
+        scratch = (
+            None
+            if direct
+            else torch.empty(rows, max(real, 1), dtype=torch.float32, device=logits.device)
+        )
         lse = m_all + log_s
         for s in range(0, n, rows):
             e = min(n, s + rows)

@@ -9,6 +9,7 @@ whole sequences, by product or geometric mean of v) with v ∉ [C_low, C_high].
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,7 @@ class ClipConfig:
 
 
 def _mis_keep(log_v, mask, h: ClipConfig):
-    lo, hi = torch.log(torch.tensor(h.mis_low)), torch.log(torch.tensor(h.mis_high))
+    lo, hi = math.log(h.mis_low), math.log(h.mis_high)
     if h.mis_level == "token":
         lv = log_v
     elif h.mis_level == "seq_product":

@@ -192,8 +192,21 @@ def build_model(
         model.description = desc
         model.padded_vocab_size = vocab
         model.vp_stage = vp_stage if groups.layout.vpp else None
+        _params_to(model, opts.params_dtype)
         chunks.append(model)
     return chunks
+
+
+def _params_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter in ``dtype``. The local spec's torch norms are created in fp32
+    whatever ``params_dtype`` says; Megatron's fp16/bf16 optimizer then keeps them in a group
+    of their own whose checkpoint mapping fails ("Param id … does not match any model sharded
+    param"). Megatron's own ``Float16Module`` casts the same way; TE norms need no cast."""
+    if dtype == torch.float32:
+        return
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def _apply_llama3_rope(model, desc: ModelDescription) -> None:

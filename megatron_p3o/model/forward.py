@@ -47,8 +47,16 @@ def slice_for_cp(batch: MicroBatch, groups: ParallelGroups) -> MicroBatch:
     return {**batch, **sliced}
 
 
+def to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
+    """Micro-batches are built on the host; every tensor moves to the training device right
+    before its forward (as torchtitan does), never earlier."""
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }
+
+
 def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model):
-    batch = slice_for_cp(next(data_iterator), groups)
+    batch = slice_for_cp(to_device(next(data_iterator), groups.device), groups)
     tokens = batch["tokens"]
     position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
     logits = model(tokens, position_ids, None)  # [b, s/cp, V/tp] on the last stage
@@ -57,7 +65,7 @@ def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model)
 
 def _call_loss(loss_fn: LossFn, batch: MicroBatch, logits: Tensor):
     loss, num_tokens, metrics = loss_fn(batch, logits)
-    return loss, torch.as_tensor(num_tokens, dtype=torch.int), metrics
+    return loss, torch.as_tensor(num_tokens, dtype=torch.int, device=loss.device), metrics
 
 
 def forward_backward(

@@ -138,7 +138,8 @@ def build_backend(
         from .embedded import EmbeddedEngine
 
         hf = description_to_hf_config(weights.desc)
-        engine = EmbeddedEngine(hf, cfg.precision, pad_token_id=pad_token_id)
+        device = str(groups.device) if cfg.device == "auto" else cfg.device
+        engine = EmbeddedEngine(hf, cfg.precision, pad_token_id=pad_token_id, device=device)
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, pending)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
     producer, evaluator = _central_engines(cfg, groups, hf)

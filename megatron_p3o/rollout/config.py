@@ -16,7 +16,9 @@ from .sglang_engine import SGLangConfig
 @dataclass(frozen=True)
 class RolloutConfig:
     """Attributes:
-    engine: "embedded" (CPU, transformers) or "sglang".
+    engine: "embedded" (transformers, in-process) or "sglang".
+    device: where the embedded engine runs: "auto" (the trainer's GPU when there is one),
+        "cpu" or "cuda".
     precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block).
     n_samples: completions per prompt (the GRPO group size G).
     sampling: sampling parameters (``stop_token_ids`` gets the tokenizer's EOS added; ``seed``
@@ -39,6 +41,7 @@ class RolloutConfig:
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16", "fp16", "fp8", "fp8_block"] = "bf16"
     n_samples: int = 8
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -74,7 +74,12 @@ class EmbeddedEngine(RolloutEngine):
     name = "embedded"
 
     def __init__(
-        self, hf_config: dict, precision: str = "bf16", max_batch: int = 64, pad_token_id: int = 0
+        self,
+        hf_config: dict,
+        precision: str = "bf16",
+        max_batch: int = 64,
+        pad_token_id: int = 0,
+        device: str = "cpu",
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -86,7 +91,8 @@ class EmbeddedEngine(RolloutEngine):
             cfg.pop("model_type"),
             **{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")},
         )
-        with torch.device("cpu"):
+        self.device = torch.device(device)  # the trainer's GPU on a GPU machine
+        with self.device:
             self.model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).eval()
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.params: Dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
@@ -148,7 +154,7 @@ class EmbeddedEngine(RolloutEngine):
                 ids[i, L - len(s) :] = torch.as_tensor(list(s))
                 mask[i, L - len(s) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        return ids, mask, pos
+        return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 
     @torch.no_grad()
     def _sample_batch(
@@ -160,7 +166,7 @@ class EmbeddedEngine(RolloutEngine):
         toks: List[List[int]] = [[] for _ in range(b)]
         lps: List[List[float]] = [[] for _ in range(b)]
         finish = ["length"] * b
-        done = torch.zeros(b, dtype=torch.bool)
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
         next_pos = pos[:, -1] + 1
         stops = set(sampling.stop_token_ids)
         logits = out.logits[:, -1]
@@ -177,7 +183,7 @@ class EmbeddedEngine(RolloutEngine):
                     done[i], finish[i] = True, "stop"
             if bool(done.all()) or step == sampling.max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], 1)
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], 1)
             feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
             cache = out[self._cache_kw]
             out = self.model(
@@ -198,7 +204,9 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"generate: n={n} must be >= 1")
         if self.weight_version < 0:
             raise RuntimeError("generate: no weights loaded (call update_weights first)")
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        gen = None
+        if sampling.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         flat = [(g, list(p)) for g, p in enumerate(prompts) for _ in range(n)]
         samples: List[Sample] = []
         for s in range(0, len(flat), self.max_batch):

@@ -9,9 +9,22 @@ Request and response fields follow SGLang's own server code (0.5.x, read from it
 log-probs are log_softmax(logits / T) over the full vocabulary (not truncated by top-p/top-k) —
 unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set, which a launched server never has.
 
-Everything that needs a GPU (launching, NCCL weight sync) is exercised by ``tools/gpu_check.sh``
-and the tests marked ``sglang``; request building, response parsing, concurrency, retries and the
-dead-server error are tested on CPU against a loopback stand-in server.
+Weight pushes follow SGLang 0.5.23's rules (``tests/unit/test_sglang_protocol.py`` checks every
+route and field against that release's own source): per server, ``/pause_generation`` (retract:
+in-flight requests wait, nothing samples a half-updated model) → ``/begin_weight_update`` → every
+bucket (cache flush and ``weight_version`` on the last one only) → ``/end_weight_update`` (fp8
+servers re-quantize here) → ``/continue_generation``. A server restarted by this client has lost
+the trainer's weights: it is reloaded from the last disk push, or the run stops with a clear
+error — samples are never tagged with a version the server does not hold.
+
+Servers launched from a torchrun worker get an environment without torchrun's variables
+(``TORCHELASTIC_USE_AGENT_STORE``, ``RANK``, ``MASTER_PORT``…: with them SGLang's own process
+group never forms). Every request carries ``Authorization: Bearer $P3O_SGLANG_API_KEY`` when that
+variable is set (the batch script makes one secret per job); the key is never in the recipe.
+
+Everything that needs a GPU (launching, NCCL weight sync) is exercised by the tests marked
+``sglang``; request building, response parsing, concurrency, retries, the session order and the
+dead-server error are tested on CPU against loopback stand-in servers.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -43,6 +57,32 @@ class EngineResponseError(UserError, ValueError):
     """A response that cannot be a valid sample (aborted, non-finite log-probs, length mismatch)."""
 
 
+API_KEY_ENV = "P3O_SGLANG_API_KEY"  # the per-job secret of servers and router (never in a recipe)
+
+# what torchrun puts in a worker's environment; a server launched from a worker must not see it
+_TORCHRUN_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+)  # fmt: skip
+
+
+def server_env(base: Optional[dict] = None, gpus: Optional[str] = None) -> dict:
+    """The environment of a launched server: the caller's without torchrun's variables, with
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB=false`` (ℓb at the sampling temperature) and the GPUs."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()}
+    for k in _TORCHRUN_ENV:
+        env.pop(k, None)
+    for k in [k for k in env if k.startswith("TORCHELASTIC_")]:
+        env.pop(k)
+    env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return env
+
+
 @dataclass(frozen=True)
 class SGLangConfig:
     """Attributes:
@@ -50,7 +90,8 @@ class SGLangConfig:
     model_path: HF directory the launched server loads.
     dtype: serving dtype ("bfloat16", "float16", "auto").
     quantization: e.g. "fp8" (weights) or None.
-    kv_cache_dtype: e.g. "fp8_e5m2" or None (= model dtype).
+    kv_cache_dtype: "fp8_e4m3" or None (= model dtype); "fp8_e5m2" is refused (it forces the
+            triton attention backend).
     mem_fraction_static: GPU memory fraction for weights + KV cache.
     tp_size: tensor parallel size of the server.
     host / port: where a launched server listens.
@@ -78,6 +119,7 @@ class SGLangConfig:
     max_concurrency: int = 64
     max_restarts: int = 2
     max_retries: int = 3
+    deterministic: bool = False
     extra_args: Tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -89,6 +131,8 @@ def server_args(cfg: SGLangConfig) -> List[str]:
         args += ["--quantization", cfg.quantization]
     if cfg.kv_cache_dtype:
         args += ["--kv-cache-dtype", cfg.kv_cache_dtype]
+    if cfg.deterministic:
+        args += ["--enable-deterministic-inference"]
     return args + list(cfg.extra_args)
 
 
@@ -110,7 +154,7 @@ def launch_command(cfg: SGLangConfig) -> List[str]:
         str(cfg.port),
         "--skip-tokenizer-init",
         *server_args(cfg),
-    ]
+    ]  # _launch adds --api-key (kept out of this printable command)
 
 
 def generate_payload(
@@ -137,7 +181,7 @@ def generate_payload(
 
 
 def parse_generate_response(
-    resp: dict, prompt_ids: Sequence[int], group_id: int, fallback_version: int
+    resp: dict, prompt_ids: Sequence[int], group_id: int, fallback_version: Optional[int] = None
 ) -> Sample:
     """One SGLang ``/generate`` response → :class:`Sample` (refuses aborted / non-finite ones)."""
     meta = resp.get("meta_info") or {}
@@ -168,11 +212,15 @@ def parse_generate_response(
             f"SGLang request {rid} (prompt group {group_id}): non-finite "
             f"behaviour log-prob at completion token {bad[0]}"
         )
-    version = meta.get("weight_version")
+    version = meta.get("weight_version", None if fallback_version is None else fallback_version)
     try:
         version = int(version)
     except (TypeError, ValueError):
-        version = fallback_version
+        # "default": a server that never received the trainer's weights (or a restarted one)
+        raise EngineResponseError(
+            f"SGLang request {rid}: the server reports weight_version {version!r}, not a version "
+            "the trainer pushed; its samples cannot be attributed to a policy"
+        ) from None
     return Sample(
         prompt_ids=list(prompt_ids),
         completion_ids=ids,
@@ -194,6 +242,7 @@ class SGLangEngine(RolloutEngine):
         self.restarts = 0
         self.weight_version = 0
         self._nccl = None  # (process group, group name) for update_weights_from_distributed
+        self._last_disk: Optional[Tuple[str, int]] = None  # (path, version) of the last disk push
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "SGLangEngine":
@@ -203,11 +252,10 @@ class SGLangEngine(RolloutEngine):
         return self
 
     def _launch(self) -> None:
-        env = dict(os.environ)
-        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"  # ℓb must be at the sampling temperature
-        if self.cfg.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.cfg.gpus
-        self.proc = subprocess.Popen(launch_command(self.cfg), env=env)
+        cmd = launch_command(self.cfg)
+        if os.environ.get(API_KEY_ENV):
+            cmd += ["--api-key", os.environ[API_KEY_ENV]]
+        self.proc = subprocess.Popen(cmd, env=server_env(gpus=self.cfg.gpus))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -255,9 +303,10 @@ class SGLangEngine(RolloutEngine):
         self, method: str, path: str, body: Optional[dict], timeout: Optional[float] = None
     ):
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get(API_KEY_ENV):
+            headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
             raw = r.read()
         return json.loads(raw) if raw else {}
@@ -291,8 +340,24 @@ class SGLangEngine(RolloutEngine):
             self.restarts += 1
             self._launch()
             self.wait_healthy(self.cfg.startup_timeout_s)
+            self._restore_weights()
         else:
             time.sleep(1.0)
+
+    def _restore_weights(self) -> None:
+        """A relaunched server holds the base weights of ``model_path``: reload the trainer's
+        last weights from the last disk push, or stop — never serve them as the current ones."""
+        if self._last_disk is not None:
+            path, version = self._last_disk
+            self._post_checked("/update_weights_from_disk", disk_payload(path, version))
+            return
+        if self._nccl is not None or self.weight_version > 0:
+            raise EngineUnavailableError(
+                f"SGLang server at {self.url} died and was restarted with the base weights; the "
+                f"trainer's weights (version {self.weight_version}) came over NCCL/IPC and cannot "
+                "be replayed from here. Restart the job: it resumes from its last checkpoint "
+                "(or use rollout.weight_sync=disk, which a restarted server reloads)"
+            )
 
     # -- generation ---------------------------------------------------------------------------
     def generate(
@@ -310,7 +375,7 @@ class SGLangEngine(RolloutEngine):
         def one(job):
             g, p, seed = job
             resp = self._post_with_recovery("/generate", generate_payload(p, sampling, seed))
-            return parse_generate_response(resp, p, g, self.weight_version)
+            return parse_generate_response(resp, p, g)
 
         out: List[Sample] = []
         with (
@@ -324,95 +389,160 @@ class SGLangEngine(RolloutEngine):
         return out
 
     # -- weights ------------------------------------------------------------------------------
+    def _post_checked(self, path: str, body: dict) -> dict:
+        """POST and refuse ``success: false`` (SGLang answers weight routes that way)."""
+        resp = self._post_with_recovery(path, body)
+        if resp.get("success", True) is False:
+            raise EngineResponseError(f"SGLang {path} failed: {resp.get('message')}")
+        return resp
+
+    @contextmanager
+    def weight_update_session(self):
+        """pause (retract) → begin → … → end → continue, for pushes of new weights."""
+        self._post_checked("/pause_generation", {"mode": "retract"})
+        try:
+            self._post_checked("/begin_weight_update", {})
+            try:
+                yield self
+            finally:
+                self._post_checked("/end_weight_update", {})
+        finally:
+            self._post_checked("/continue_generation", {})
+
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        resp = self._post_with_recovery(
-            "/update_weights_from_disk",
-            {"model_path": model_path, "weight_version": str(version), "flush_cache": True},
-        )
-        if not resp.get("success", False):
-            raise EngineResponseError(f"update_weights_from_disk failed: {resp.get('message')}")
+        self._post_checked("/update_weights_from_disk", disk_payload(model_path, version))
         self.weight_version = version
+        self._last_disk = (model_path, version)
 
     def init_weight_update_group(
         self, master_address: str, master_port: int, group_name: str = "p3o_weight_sync"
     ) -> None:
         """An NCCL group {trainer rank 0} ∪ {server ranks} for broadcasting weights (GPU only)."""
         world = 1 + self.cfg.tp_size
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": 1,
-            "world_size": world,
-            "group_name": group_name,
-            "backend": "nccl",
-        }
+        body = init_group_payload(master_address, master_port, world, group_name)
         with ThreadPoolExecutor(1) as pool:  # both sides must join the rendezvous together
-            fut = pool.submit(self._post_with_recovery, "/init_weights_update_group", body)
-            store = torch.distributed.TCPStore(master_address, master_port, world, is_master=True)
-            pg = torch.distributed.ProcessGroupNCCL(
-                torch.distributed.PrefixStore(group_name, store), 0, world
-            )
-            resp = fut.result()
-        if not resp.get("success", False):
-            raise EngineResponseError(f"init_weights_update_group failed: {resp.get('message')}")
-        self._nccl = (pg, group_name, store)
+            fut = pool.submit(self._post_checked, "/init_weights_update_group", body)
+            pg = weight_sync_group(master_address, master_port, world, group_name)
+            fut.result()
+        self._nccl = (pg, group_name)
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
-        """Broadcast each bucket over the NCCL group while the server receives it."""
+        """One weight-update session: every bucket broadcast over the NCCL group."""
+        with self.weight_update_session():
+            for bucket, last in _with_last(buckets):
+                self.push_bucket(bucket, version, last)
+        self.weight_version = version
+
+    def push_bucket(self, bucket: Bucket, version: int, last: bool) -> None:
+        """One bucket inside a session: the server receives it while rank 0 broadcasts it."""
         if self._nccl is None:
             raise RuntimeError(
                 "update_weights needs init_weight_update_group first (or use "
                 "update_weights_from_disk)"
             )
-        pg, group_name, _ = self._nccl
-        buckets = list(buckets)
-        for i, bucket in enumerate(buckets):
-            body = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": group_name,
-                "flush_cache": i == len(buckets) - 1,
-                "weight_version": str(version),
-            }
-            with ThreadPoolExecutor(1) as pool:
-                fut = pool.submit(
-                    self._post_with_recovery, "/update_weights_from_distributed", body
-                )
-                opts = torch.distributed.BroadcastOptions()
-                opts.rootRank = 0
-                for _, t in bucket:
-                    # weight-sync group: trainer rank 0 sends each full tensor to every server rank
-                    pg.broadcast([t.cuda().contiguous()], opts).wait()
-                resp = fut.result()
-            if not resp.get("success", False):
-                raise EngineResponseError(
-                    f"update_weights_from_distributed failed: {resp.get('message')}"
-                )
-        self.weight_version = version
+        body = distributed_payload(bucket, self._nccl[1], version, last)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(self._post_checked, "/update_weights_from_distributed", body)
+            self._broadcast([t for _, t in bucket])
+            fut.result()
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        pg = self._nccl[0]
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        for t in tensors:
+            # weight-sync group: trainer rank 0 sends each full tensor to every server rank
+            pg.broadcast([t.cuda().contiguous()], opts).wait()
 
     def update_weights_colocated(self, buckets: Iterable[Bucket], version: int) -> None:
         """Colocated trainer and server on the same GPUs: hand CUDA tensors over by IPC handle
-        (``/update_weights_from_tensor``; one serialized copy per server TP rank)."""
+        (``/update_weights_from_tensor``), in one weight-update session. GPU-unverified, and
+        correct for server TP = 1 only (see README: what has run on a GPU)."""
         from sglang.srt.utils import MultiprocessingSerializer  # GPU clusters only
 
-        buckets = list(buckets)
-        for i, bucket in enumerate(buckets):
-            named = [(n, t.cuda().contiguous()) for n, t in bucket]
-            blob = MultiprocessingSerializer.serialize(named, output_str=True)
-            resp = self._post_with_recovery(
-                "/update_weights_from_tensor",
-                {
-                    "serialized_named_tensors": [blob] * self.cfg.tp_size,
-                    "flush_cache": i == len(buckets) - 1,
-                    "weight_version": str(version),
-                },
-            )
-            if not resp.get("success", False):
-                raise EngineResponseError(
-                    f"update_weights_from_tensor failed: {resp.get('message')}"
-                )
+        with self.weight_update_session():
+            for bucket, last in _with_last(buckets):
+                named = [(n, t.cuda().contiguous()) for n, t in bucket]
+                blob = MultiprocessingSerializer.serialize(named, output_str=True)
+                body = {"serialized_named_tensors": [blob] * self.cfg.tp_size}
+                body.update(_last_bucket_fields(version, last))
+                self._post_checked("/update_weights_from_tensor", body)
         self.weight_version = version
+
+
+def _with_last(items: Iterable):
+    """``(item, is_last)`` with one item of look-ahead (buckets arrive as a stream)."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for x in it:
+        yield prev, False
+        prev = x
+    yield prev, True
+
+
+def _last_bucket_fields(version: int, last: bool) -> dict:
+    """The cache is flushed and the version set once, with the last bucket of a session."""
+    return {"flush_cache": last, **({"weight_version": str(version)} if last else {})}
+
+
+def disk_payload(model_path: str, version: int) -> dict:
+    """``/update_weights_from_disk``: a safetensors directory every server can read."""
+    return {"model_path": model_path, "weight_version": str(version), "flush_cache": True}
+
+
+def init_group_payload(master_address: str, master_port: int, world: int, group_name: str) -> dict:
+    """``/init_weights_update_group``: server ranks join as 1…tp_size (trainer rank 0)."""
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": 1,
+        "world_size": world,
+        "group_name": group_name,
+        "backend": "nccl",
+    }
+
+
+def distributed_payload(bucket: Bucket, group_name: str, version: int, last: bool) -> dict:
+    """``/update_weights_from_distributed`` for one bucket."""
+    return {
+        "names": [n for n, _ in bucket],
+        "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "group_name": group_name,
+        **_last_bucket_fields(version, last),
+    }
+
+
+def weight_sync_group(
+    master_address: str, master_port: int, world: int, group_name: str, backend: str = "nccl"
+):
+    """The trainer's end (rank 0) of the weight-update group, made as SGLang makes its end
+    (``init_custom_process_group``): a ``tcp://`` rendezvous, the store wrapped in
+    ``PrefixStore(group_name)``, then torch's process-group helper, which adds its own
+    ``group_name/`` prefix. Any other wrapping puts the NCCL unique id under a key the server
+    never reads. Torch-private API: the one place it is used."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world = next(c10d.rendezvous(url, 0, world, timeout=timedelta(minutes=10)))
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timedelta(minutes=10),
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
 
 
 class SGLangFleet(RolloutEngine):
@@ -466,15 +596,22 @@ class SGLangFleet(RolloutEngine):
             )
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
-        for bucket in buckets:  # each bucket once from the trainer, to every worker in turn
+        """Every worker pauses and opens a session; each bucket (streamed once from the
+        trainer) goes to every worker in turn; then every worker closes and resumes."""
+        with ExitStack() as sessions:
             for w in self.workers:
-                w.update_weights([bucket], version)
+                sessions.enter_context(w.weight_update_session())
+            for bucket, last in _with_last(buckets):
+                for w in self.workers:
+                    w.push_bucket(bucket, version, last)
+        for w in self.workers:
+            w.weight_version = version
         self.weight_version = version
 
     def update_weights_colocated(self, buckets: Iterable[Bucket], version: int) -> None:
-        for bucket in buckets:
-            for w in self.workers:
-                w.update_weights_colocated([bucket], version)
+        buckets = list(buckets)
+        for w in self.workers:
+            w.update_weights_colocated(buckets, version)
         self.weight_version = version
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:

@@ -177,3 +177,43 @@ def run_verify(groups, hf_dir: str, ckpt: str):
     from checkpoints_convert.verify import verify
 
     return verify(hf_dir, ckpt, seq=SEQ, prompts=2)
+
+
+def te_shaped_load(groups, ckpt: str):
+    """A model with Transformer Engine's ``_extra_state`` (FP8 metadata) loads a local-spec
+    checkpoint, which has none; a model needing a tensor the checkpoint lacks is refused."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from megatron_p3o.checkpoint import _load, _load_into, sharded_model_state
+    from megatron_p3o.errors import CheckpointError
+
+    meta = read_meta(ckpt)
+    opts = BuildOptions(
+        seq_length=SEQ, make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"]
+    )
+    chunks = build_model(meta["description"], groups, opts)
+
+    class Fp8Meta(torch.nn.Module):  # what a TE layer adds to its state: an _extra_state
+        def get_extra_state(self):
+            return torch.tensor([7.0])
+
+        def set_extra_state(self, state):
+            self.restored = state
+
+    chunks[0].add_module("te_probe", Fp8Meta())
+    key = "te_probe._extra_state"
+    request = sharded_model_state(chunks)
+    request["model0"][key] = ShardedObject(key, None, (1,), (0,), replica_id=0)
+    loaded = _load(request, ckpt)
+    _load_into(chunks[0], loaded["model0"], ckpt)
+    out = {"extra_absent": key not in loaded["model0"], "loaded": len(loaded["model0"])}
+    request = sharded_model_state(chunks)
+    request["model0"]["decoder.extra.weight"] = ShardedTensor.from_rank_offsets(
+        "decoder.extra.weight", torch.zeros(2), replica_id=0
+    )
+    try:
+        _load(request, ckpt)
+        out["refused"] = None
+    except CheckpointError as e:
+        out["refused"] = str(e)
+    return out

@@ -9,103 +9,65 @@ and async staleness stays within K. A real server on a GPU: tools/gpu_check.sh.
 """
 
 import json
+import os
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
+from ..sglang_standin import SGLangStandIn
 from .cli import ENV, ROOT
 from .test_tiny_recipe import _sets
 
 
-class StandIn:
-    def __init__(self, hf_dir: Path, nan_logprobs: bool = False):
+class StandIn(SGLangStandIn):
+    """SGLang's protocol and rules (``tests/sglang_standin.py``) over the embedded engine."""
+
+    def __init__(self, hf_dir: Path, nan_logprobs: bool = False, api_key: Optional[str] = None):
         from megatron_p3o.rollout.embedded import EmbeddedEngine
 
         self.nan_logprobs = nan_logprobs  # report NaN behaviour log-probs (a broken server)
         cfg = json.loads((hf_dir / "config.json").read_text())
         self.engine = EmbeddedEngine(cfg, "bf16", pad_token_id=cfg.get("pad_token_id") or 0)
-        self.lock = threading.Lock()
-        self.generated, self.loads, self.version = 0, [], -1
-        outer = self
+        self.engine_lock = threading.Lock()
+        super().__init__(self._generate, api_key=api_key, load_from_disk=self._load)
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
+    def _load(self, model_path: str) -> None:
+        from safetensors.torch import load_file
 
-            def _send(self, obj, code=200):
-                raw = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+        tensors = {}
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        with self.engine_lock:
+            self.engine.update_weights([list(tensors.items())], len(self.loads))
 
-            def do_GET(self):
-                self._send(
-                    {} if self.path == "/health" else {"error": self.path},
-                    200 if self.path == "/health" else 404,
-                )
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(outer.handle(self.path, body))
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def handle(self, path, body):
+    def _generate(self, body: dict):
         from megatron_p3o.types import SamplingParams
 
-        if path == "/update_weights_from_disk":
-            from safetensors.torch import load_file
-
-            tensors = {}
-            for f in sorted(Path(body["model_path"]).glob("*.safetensors")):
-                tensors.update(load_file(str(f)))
-            with self.lock:
-                self.engine.update_weights([list(tensors.items())], int(body["weight_version"]))
-                self.version = int(body["weight_version"])
-                self.loads.append(self.version)
-            return {"success": True, "message": ""}
-        if path == "/generate":
-            sp = body["sampling_params"]
-            params = SamplingParams(
-                temperature=sp["temperature"],
-                top_p=sp["top_p"],
-                top_k=sp.get("top_k", 0),
-                max_new_tokens=sp["max_new_tokens"],
-                stop_token_ids=tuple(sp.get("stop_token_ids", ())),
-                seed=sp.get("sampling_seed"),
-            )
-            with self.lock:
-                s = self.engine.generate([body["input_ids"]], 1, params)[0]
-                self.generated += 1
-                version = self.version
-            lps = [float("nan")] * len(s.logprobs) if self.nan_logprobs else s.logprobs
-            return {
-                "output_ids": s.completion_ids,
-                "meta_info": {
-                    "id": f"r{self.generated}",
-                    "finish_reason": {"type": s.finish_reason},
-                    "output_token_logprobs": [
-                        [lp, t, None] for lp, t in zip(lps, s.completion_ids)
-                    ],
-                    "weight_version": str(version),
-                },
-            }
-        return {"success": False, "message": f"no route {path}"}
+        sp = body["sampling_params"]
+        params = SamplingParams(
+            temperature=sp["temperature"],
+            top_p=sp["top_p"],
+            top_k=sp.get("top_k", 0),
+            max_new_tokens=sp["max_new_tokens"],
+            stop_token_ids=tuple(sp.get("stop_token_ids", ())),
+            seed=sp.get("sampling_seed"),
+        )
+        with self.engine_lock:
+            s = self.engine.generate([body["input_ids"]], 1, params)[0]
+        lps = [float("nan")] * len(s.logprobs) if self.nan_logprobs else s.logprobs
+        return s.completion_ids, lps, s.finish_reason
 
 
 @pytest.mark.e2e
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])
 def test_trainer_drives_one_server(base, tmp_path, layout):
-    srv = StandIn(base / "ckpt" / "hf")
+    key = f"test-secret-{layout}-{os.getpid()}"  # as the batch script makes one per job
+    srv = StandIn(base / "ckpt" / "hf", api_key=key)
     steps, prompts, n = 3, 8, 8
     heldout = tmp_path / "heldout_small.jsonl"  # each evaluation: one request per prompt
     heldout.write_text("".join((base / "heldout.jsonl").read_text().splitlines(keepends=True)[:24]))
@@ -142,11 +104,17 @@ def test_trainer_drives_one_server(base, tmp_path, layout):
         ],
         capture_output=True,
         text=True,
-        env=ENV,
+        env={**ENV, "P3O_SGLANG_API_KEY": key},
         timeout=900,
     )
-    srv.server.shutdown()
+    srv.close()
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert srv.refused == 0  # every request carried the key
+    leaked = [
+        f for f in (tmp_path / layout).rglob("*") if f.is_file() and key.encode() in f.read_bytes()
+    ]
+    assert not leaked, f"the API key reached the run directory: {leaked}"
+    assert key not in r.stdout and key not in r.stderr
     lines = [json.loads(x) for x in (tmp_path / layout / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert srv.loads == [0, 1, 2, 3]  # the start, then every sync point, each exactly once

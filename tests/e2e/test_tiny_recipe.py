@@ -234,3 +234,17 @@ def test_main_job_learns(base, tmp_path):
     acc = {e.step: e.value for e in ev.Scalars("eval/heldout_accuracy")}
     assert min(acc) == 0 and max(acc) == 20, acc
     assert acc[20] - acc[0] >= 0.10, acc
+
+
+@pytest.mark.e2e
+def test_bf16_params_train_and_checkpoint(base, tmp_path):
+    """bf16 parameters (the GPU setting) on the local spec: the torch norms are cast with the
+    rest, so Megatron's fp16/bf16 optimizer can map every parameter when the checkpoint is
+    written (it could not: "Param id … does not match any model sharded param")."""
+    r = subprocess.run(
+        [sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"),
+         *_sets(base, tmp_path, "bf16"), "--set", "model.params_dtype=bfloat16"],
+        capture_output=True, text=True, env=ENV, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    _check_run(tmp_path / "bf16", 2, r.stdout)

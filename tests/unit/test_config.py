@@ -102,3 +102,18 @@ def test_missing_recipe_and_bad_set():
         load_config("/nonexistent.yaml")
     with pytest.raises(ConfigError, match="expected key.sub=value"):
         load_config(None, ["optim.lr"])
+
+
+def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = ["rollout.engine=sglang", "rollout.weight_sync=nccl", "rollout.sglang.model_path=/m"]
+    with pytest.raises(ConfigError, match="all of them; trainer GPUs 0,1,2,3"):
+        load_config(None, base).check_rollout_gpus(4)  # the server would inherit GPUs 0-3
+    with pytest.raises(ConfigError, match=r"\(3; trainer GPUs 0,1,2,3\)"):
+        load_config(None, base + ["rollout.sglang.gpus='3,4'"]).check_rollout_gpus(4)
+    load_config(None, base + ["rollout.sglang.gpus='4,5,6,7'"]).check_rollout_gpus(4)
+    load_config(None, base + ["rollout.sglang.url=http://n2:30000"]).check_rollout_gpus(4)
+    load_config(None, base[:1] + ["rollout.weight_sync=disk"]).check_rollout_gpus(4)
+    with pytest.raises(ConfigError, match="fp8_e4m3"):
+        load_config(None, base + ["rollout.sglang.kv_cache_dtype=fp8_e5m2"]).validate(1)

@@ -75,7 +75,7 @@ def test_parse_response_refuses_bad_samples(mutate, needle):
 def test_launch_command():
     cmd = launch_command(
         SGLangConfig(
-            model_path="/m", quantization="fp8", kv_cache_dtype="fp8_e5m2", tp_size=2, port=31000
+            model_path="/m", quantization="fp8", kv_cache_dtype="fp8_e4m3", tp_size=2, port=31000
         )
     )
     joined = " ".join(cmd)
@@ -83,7 +83,7 @@ def test_launch_command():
         "-m sglang.launch_server",
         "--model-path /m",
         "--quantization fp8",
-        "--kv-cache-dtype fp8_e5m2",
+        "--kv-cache-dtype fp8_e4m3",
         "--tp-size 2",
         "--port 31000",
     ):

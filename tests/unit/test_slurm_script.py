@@ -23,7 +23,7 @@ def _run(tmp_path, recipe, nodes):
         "srun": '#!/bin/sh\ncvd=$(echo "$*" | '
         "sed -n 's/.* env CUDA_VISIBLE_DEVICES=\\([0-9,]*\\) .*/\\1/p')\n"
         f'echo "$cvd|$*" >> {log}\n',
-        "curl": "#!/bin/sh\nexit 0\n",
+        "curl": f'#!/bin/sh\necho "$*" >> {tmp_path / "curl.log"}\nexit 0\n',
     }
     for name, text in fakes.items():
         (bin_ / name).write_text(text)
@@ -61,8 +61,19 @@ def _run(tmp_path, recipe, nodes):
     return [line.split("|", 1) for line in log.read_text().splitlines()]
 
 
-def test_multi_node_placement(tmp_path):
+def test_multi_node_placement(tmp_path, monkeypatch):
+    monkeypatch.delenv("P3O_SGLANG_API_KEY", raising=False)
     calls = _run(tmp_path, "recipes/qwen3_32b_h100x32.yaml", nodes=4)
+    # one secret for the job: every server and the router require it, health checks send it,
+    # and the trainer gets it from the environment only (not on its command line)
+    keys = {c[1].split("--api-key ")[1].split()[0] for c in calls if "--api-key" in c[1]}
+    assert len(keys) == 1 and len(next(iter(keys))) == 48, keys
+    key = next(iter(keys))
+    launched = [c for c in calls if "launch_server" in c[1] or "sglang_router" in c[1]]
+    assert launched and all(f"--api-key {key}" in c[1] for c in launched)
+    assert all(key not in c[1] for c in calls if "torch.distributed.run" in c[1])
+    health = (tmp_path / "curl.log").read_text().splitlines()
+    assert health and all(f"Authorization: Bearer {key}" in h for h in health)
     import yaml
 
     run = yaml.safe_load((ROOT / "recipes/qwen3_32b_h100x32.yaml").read_text())["run"]
@@ -77,7 +88,7 @@ def test_multi_node_placement(tmp_path):
     assert all(
         "--tp-size 4" in c[1]
         and "--quantization fp8" in c[1]
-        and "--kv-cache-dtype fp8_e5m2" in c[1]
+        and "--kv-cache-dtype fp8_e4m3" in c[1]
         for c in servers
     )
     assert len(router) == 1 and len(train) == 1

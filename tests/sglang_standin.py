@@ -1,0 +1,134 @@
+"""A loopback server that speaks SGLang 0.5.23's HTTP protocol and enforces its rules.
+
+What it enforces, as that release does (``tests/unit/test_sglang_protocol.py`` reads the rules
+from the release's own source): weight pushes over NCCL/IPC only inside a weight-update session
+(``/begin_weight_update`` … ``/end_weight_update``), ``weight_version`` reported as the string
+``"default"`` until a push sets it, and, when started with an API key, ``401`` for any request
+without ``Authorization: Bearer <key>``. It records every route it was asked for, in order.
+Generation is delegated to ``generate(body) -> (output_ids, logprobs, finish_type)``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, List, Optional, Tuple
+
+SESSION_ROUTES = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+
+
+class SGLangStandIn:
+    def __init__(
+        self,
+        generate: Callable[[dict], Tuple[List[int], List[float], str]],
+        api_key: Optional[str] = None,
+        load_from_disk: Optional[Callable[[str], None]] = None,
+    ):
+        self.generate, self.api_key, self.load_from_disk = generate, api_key, load_from_disk
+        self.lock = threading.Lock()
+        self.routes: List[Tuple[str, dict]] = []  # (path, body) in arrival order
+        self.version = "default"
+        self.in_session = self.paused = False
+        self.generated, self.loads, self.refused = 0, [], 0
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, obj, code=200):
+                raw = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def _authorized(self) -> bool:
+                if outer.api_key is None:
+                    return True
+                if self.headers.get("Authorization") == f"Bearer {outer.api_key}":
+                    return True
+                with outer.lock:
+                    outer.refused += 1
+                self._send({"error": "Unauthorized"}, 401)
+                return False
+
+            def do_GET(self):
+                if not self._authorized():
+                    return
+                ok = self.path == "/health"
+                self._send({} if ok else {"error": self.path}, 200 if ok else 404)
+
+            def do_POST(self):
+                if not self._authorized():
+                    return
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                obj, code = outer.handle(self.path, body)
+                self._send(obj, code)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def restart(self) -> None:
+        """As if the server process were relaunched: base weights, no session, no version."""
+        with self.lock:
+            self.version, self.in_session, self.paused = "default", False, False
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def paths(self) -> List[str]:
+        with self.lock:
+            return [p for p, _ in self.routes]
+
+    def _fail(self, message: str):
+        return {"success": False, "message": message}, 400
+
+    def handle(self, path: str, body: dict):
+        with self.lock:
+            self.routes.append((path, body))
+        if path == "/generate":
+            ids, lps, kind = self.generate(body)
+            with self.lock:
+                self.generated += 1
+                rid, version = f"r{self.generated}", self.version
+            triples = [[lp, t, None] for lp, t in zip(lps, ids)]
+            meta = {"id": rid, "finish_reason": {"type": kind}, "weight_version": version}
+            return {"output_ids": ids, "meta_info": {**meta, "output_token_logprobs": triples}}, 200
+        if path == "/pause_generation":
+            self.paused = True
+            return {"message": "Generation paused successfully.", "status": "ok"}, 200
+        if path == "/continue_generation":
+            self.paused = False
+            return {"message": "Generation continued successfully.", "status": "ok"}, 200
+        if path == "/begin_weight_update":
+            if self.in_session:
+                return self._fail("a weight-update session is already open")
+            self.in_session = True
+            return {"success": True, "message": ""}, 200
+        if path == "/end_weight_update":
+            if not self.in_session:
+                return self._fail("no weight-update session is open")
+            self.in_session = False
+            return {"success": True, "message": ""}, 200
+        if path in SESSION_ROUTES:
+            if not self.in_session:
+                return self._fail(f"{path} outside a weight-update session (begin_weight_update)")
+            if body.get("weight_version") is not None:
+                self.version = str(body["weight_version"])
+            return {"success": True, "message": ""}, 200
+        if path == "/update_weights_from_disk":
+            if self.load_from_disk is not None:
+                self.load_from_disk(body["model_path"])
+            with self.lock:
+                if body.get("weight_version") is not None:
+                    self.version = str(body["weight_version"])
+                self.loads.append(int(self.version))
+            return {"success": True, "message": "", "num_paused_requests": 0}, 200
+        if path == "/init_weights_update_group":
+            return {"success": True, "message": ""}, 200
+        return self._fail(f"no route {path}")

@@ -1,0 +1,310 @@
+"""The SGLang client against the pinned release's own source, and against its rules.
+
+The release's wheel (``sglang==0.5.23``, fetched ``--no-deps`` by ``tools/run_tests.sh`` into
+``.cache/sglang/``, or named by ``P3O_SGLANG_WHEEL``) is read as text, never imported: its route
+table (``http_server.py``) and its request classes (``io_struct.py``, ``sampling_params.py``)
+are parsed with ``ast``, and every route and field the client sends must exist there. The
+session order and the restart rule are checked against ``tests/sglang_standin.py``.
+"""
+
+import ast
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_p3o.rollout.sglang_engine import (
+    EngineResponseError,
+    EngineUnavailableError,
+    SGLangConfig,
+    SGLangEngine,
+    SGLangFleet,
+    disk_payload,
+    distributed_payload,
+    generate_payload,
+    init_group_payload,
+    server_env,
+)
+from megatron_p3o.types import SamplingParams
+
+from ..sglang_standin import SGLangStandIn
+
+ROOT = Path(__file__).resolve().parents[2]
+PINNED = "0.5.23"
+
+
+def _wheel() -> Path:
+    env = os.environ.get("P3O_SGLANG_WHEEL")
+    found = [Path(env)] if env else sorted((ROOT / ".cache/sglang").glob(f"sglang-{PINNED}-*.whl"))
+    if not found or not found[0].is_file():
+        pytest.skip(f"no sglang {PINNED} wheel (tools/run_tests.sh fetches it into .cache/sglang)")
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def release():
+    """(routes: {path: (methods, request class)}, classes: {name: field names})."""
+    with zipfile.ZipFile(_wheel()) as z:
+        http = ast.parse(z.read("sglang/srt/entrypoints/http_server.py"))
+        structs = ast.parse(z.read("sglang/srt/managers/io_struct.py"))
+        sampling = ast.parse(z.read("sglang/srt/sampling/sampling_params.py"))
+    classes = {}
+    for tree in (structs, sampling):
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = {
+                    s.target.id
+                    for s in node.body
+                    if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                }
+                literals = {}
+                for s in node.body:
+                    if isinstance(s, ast.AnnAssign) and "Literal[" in ast.unparse(s.annotation):
+                        literals[s.target.id] = ast.unparse(s.annotation)
+                classes[node.name + ".literals"] = literals
+    routes = {}
+    for node in http.body:
+        if not isinstance(node, (ast.AsyncFunctionDef, ast.FunctionDef)):
+            continue
+        req = None
+        for a in node.args.args:
+            if a.annotation is not None:
+                ann = ast.unparse(a.annotation)
+                for name in classes:
+                    if name.endswith("ReqInput") and name in ann:
+                        req = name
+        for d in node.decorator_list:
+            if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args:
+                kind = d.func.attr
+                if kind in ("post", "get", "api_route") and isinstance(d.args[0], ast.Constant):
+                    methods = {kind.upper()} if kind != "api_route" else set()
+                    for kw in d.keywords:
+                        if kw.arg == "methods":
+                            methods = {e.value for e in kw.value.elts}
+                    routes[d.args[0].value] = (methods, req)
+    return routes, classes
+
+
+BUCKET = [("model.norm.weight", torch.zeros(4)), ("lm_head.weight", torch.zeros(3, 4))]
+
+
+def _client_requests():
+    """(route, body) of every request the client builds."""
+    sp = SamplingParams(temperature=0.9, top_k=5, max_new_tokens=7, stop_token_ids=(2,), seed=3)
+    return [
+        ("/generate", generate_payload([1, 2, 3], sp, seed=11)),
+        ("/init_weights_update_group", init_group_payload("h", 29650, 3, "g")),
+        ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=False)),
+        ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=True)),
+        ("/update_weights_from_disk", disk_payload("/m", 4)),
+        ("/pause_generation", {"mode": "retract"}),
+        ("/begin_weight_update", {}),
+        ("/end_weight_update", {}),
+        ("/continue_generation", {}),
+    ]  # fmt: skip
+
+
+def test_every_route_and_field_exists_in_the_pinned_release(release):
+    routes, classes = release
+    assert "/health" in routes and "GET" in routes["/health"][0]
+    for path, body in _client_requests():
+        assert path in routes, f"{path} is not a route of sglang {PINNED}"
+        methods, req = routes[path]
+        assert "POST" in methods, (path, methods)
+        if path == "/generate":
+            req = "GenerateReqInput"
+            extra = set(body["sampling_params"]) - classes["SamplingParams"]
+            assert not extra, f"sampling_params fields unknown to sglang {PINNED}: {extra}"
+        assert req is not None, f"{path}: no request class found"
+        unknown = set(body) - classes[req]
+        assert not unknown, f"{path}: fields {unknown} are not in {req} of sglang {PINNED}"
+    pause = classes["PauseGenerationReqInput.literals"]["mode"]
+    assert "'retract'" in pause, pause  # in-flight requests wait; 'abort' would drop them
+
+
+def test_launch_environment_has_no_torchrun_variables():
+    worker = {
+        "PATH": "/bin", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "n1",
+        "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "x", "HF_HOME": "/h",
+    }  # fmt: skip
+    env = server_env(worker, gpus="4,5")
+    assert env == {
+        "PATH": "/bin",
+        "HF_HOME": "/h",
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "false",
+        "CUDA_VISIBLE_DEVICES": "4,5",
+    }
+
+
+def _trivial(body):
+    return [5, 6], [-0.5, -0.25], "length"
+
+
+@pytest.fixture
+def servers():
+    made = []
+
+    def make(**kw):
+        s = SGLangStandIn(_trivial, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _engine(srv, **kw):
+    eng = SGLangEngine(SGLangConfig(url=srv.url, startup_timeout_s=10, max_retries=0, **kw))
+    eng._nccl = (None, "p3o_weight_sync")  # the group itself needs NCCL: broadcasts are stubbed
+    eng._broadcast = lambda tensors: None
+    return eng
+
+
+def test_pushes_are_bracketed_per_worker(servers):
+    a, b = servers(), servers()
+    fleet = SGLangFleet(_engine(a), [_engine(a), _engine(b)])
+    fleet.update_weights(iter([BUCKET, BUCKET, BUCKET]), version=7)
+    for srv in (a, b):
+        assert srv.paths() == [
+            "/pause_generation", "/begin_weight_update",
+            "/update_weights_from_distributed", "/update_weights_from_distributed",
+            "/update_weights_from_distributed", "/end_weight_update", "/continue_generation",
+        ]  # fmt: skip
+        pushes = [body for p, body in srv.routes if p == "/update_weights_from_distributed"]
+        assert [p["flush_cache"] for p in pushes] == [False, False, True]
+        assert [p.get("weight_version") for p in pushes] == [None, None, "7"]
+        assert srv.version == "7" and not srv.in_session and not srv.paused
+
+
+def test_the_stand_in_refuses_a_push_outside_a_session(servers):
+    srv = servers()
+    with pytest.raises(EngineResponseError, match="outside a weight-update session"):
+        _engine(srv).push_bucket(BUCKET, 1, last=True)
+
+
+def test_samples_never_carry_a_version_the_server_does_not_hold(servers):
+    srv = servers()
+    eng = _engine(srv)
+    with pytest.raises(EngineResponseError, match="weight_version 'default'"):
+        eng.generate([[1]], 1, SamplingParams(max_new_tokens=2))  # nothing pushed yet
+    eng.update_weights([BUCKET], version=3)
+    assert {s.weight_version for s in eng.generate([[1]], 2, SamplingParams())} == {3}
+    srv.restart()  # the server died mid-run and came back with the base weights
+    with pytest.raises(EngineResponseError, match="weight_version 'default'"):
+        eng.generate([[1]], 1, SamplingParams(max_new_tokens=2))
+
+
+class _Process:
+    """Stands for the launched server process: dead (exit 1) or running."""
+
+    def __init__(self, alive: bool):
+        self.returncode = None if alive else 1
+
+    def poll(self):
+        return self.returncode
+
+
+def _dies_and_relaunches(eng, srv):
+    eng.proc = _Process(alive=False)  # our launched server died ...
+
+    def relaunch():  # ... and comes back with the base weights of model_path
+        srv.restart()
+        eng.proc = _Process(alive=True)
+
+    eng._launch = relaunch
+
+
+def test_a_relaunched_server_is_reloaded_from_disk_or_refused(servers, tmp_path):
+    srv = servers()
+    eng = _engine(srv)
+    eng.update_weights_from_disk(str(tmp_path), 5)
+    eng._nccl = None
+    _dies_and_relaunches(eng, srv)
+    eng._recover()
+    assert srv.version == "5" and eng.restarts == 1  # reloaded from the last disk push
+    samples = eng.generate([[1]], 1, SamplingParams())
+    assert samples[0].weight_version == 5
+    nccl = _engine(srv)
+    nccl.update_weights([BUCKET], version=6)
+    _dies_and_relaunches(nccl, srv)
+    with pytest.raises(EngineUnavailableError, match="cannot be replayed"):
+        nccl._recover()
+
+
+def test_every_request_carries_the_api_key(servers, monkeypatch):
+    srv = servers(api_key="s3cret")
+    monkeypatch.delenv("P3O_SGLANG_API_KEY", raising=False)
+    with pytest.raises(EngineResponseError, match="HTTP 401"):
+        _engine(srv).update_weights_from_disk("/m", 1)
+    monkeypatch.setenv("P3O_SGLANG_API_KEY", "s3cret")
+    eng = _engine(srv)
+    eng.update_weights_from_disk("/m", 1)
+    assert eng.generate([[1]], 1, SamplingParams())[0].weight_version == 1
+    assert srv.refused == 1
+
+
+def _sglang_function(name: str):
+    """A function's source from the pinned wheel, compiled here (sglang itself is not
+    installed: its imports would pull CUDA torch)."""
+    with zipfile.ZipFile(_wheel()) as z:
+        tree = ast.parse(z.read("sglang/srt/utils/common.py"))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    ns = {"torch": torch, "torch_release": tuple(int(x) for x in torch.__version__.split(".")[:2])}
+    exec(compile(ast.Module([fn], []), "sglang/srt/utils/common.py", "exec"), ns)  # noqa: S102
+    return ns[name]
+
+
+def _group_member(rank: int, port: int, queue):
+    """Rank 0: the trainer's ``weight_sync_group``; rank 1: SGLang's own
+    ``init_custom_process_group``, called as its weight updater calls it (gloo on CPU)."""
+    from megatron_p3o.rollout.sglang_engine import weight_sync_group
+
+    try:
+        if rank == 0:
+            pg = weight_sync_group("127.0.0.1", port, 2, "p3o_weight_sync", backend="gloo")
+            t = torch.arange(4.0)
+        else:
+            init = _sglang_function("init_custom_process_group")
+            pg = init(
+                backend="gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                world_size=2,
+                rank=1,
+                group_name="p3o_weight_sync",
+            )
+            t = torch.zeros(4)
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        pg.broadcast([t], opts).wait()
+        queue.put((rank, t.tolist()))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        queue.put((rank, repr(e)))
+
+
+def test_weight_sync_group_forms_with_sglangs_own_code():
+    """The NCCL unique id (here: gloo's rendezvous keys) must land where SGLang's end reads it;
+    a different PrefixStore wrapping hangs the rendezvous until the timeout."""
+    import multiprocessing as mp
+    import socket
+
+    _wheel()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_group_member, args=(r, port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: [0.0, 1.0, 2.0, 3.0], 1: [0.0, 1.0, 2.0, 3.0]}, got
