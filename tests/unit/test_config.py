@@ -117,3 +117,6 @@ def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
     load_config(None, base[:1] + ["rollout.weight_sync=disk"]).check_rollout_gpus(4)
     with pytest.raises(ConfigError, match="fp8_e4m3"):
         load_config(None, base + ["rollout.sglang.kv_cache_dtype=fp8_e5m2"]).validate(1)
+    colocated = base + ["rollout.weight_sync=colocated", "rollout.sglang.tp_size=2"]
+    with pytest.raises(ConfigError, match="tp_size=2: CUDA-IPC pushes"):
+        load_config(None, colocated).validate(1)
