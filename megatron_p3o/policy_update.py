@@ -157,18 +157,23 @@ class PolicyUpdate:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
         return n_tok, n_seq
 
-    def _logprobs(self, batch, logits, entropy: bool = True):
-        # the logits feed only this loss: their storage is reused for the gradient
-        lp, ent = vocab_parallel_logprobs(
+    def _kernel(self, batch, logits, with_entropy: bool = False, inplace: bool = False):
+        """ℓθ of the targets (and the entropy) from this TP rank's logits shard at T."""
+        return vocab_parallel_logprobs(
             logits,
             batch["targets"],
             self.groups.tp,
             temperature=self.temperature,
             chunk_size=self.cfg.logprob_chunk,
             vocab_size=self.vocab_size,
-            with_entropy=entropy and (self.cfg.log_entropy or self.objective.needs_entropy),
-            inplace_backward=True,
+            with_entropy=with_entropy,
+            inplace_backward=inplace,
         )
+
+    def _logprobs(self, batch, logits, entropy: bool = True):
+        # the logits feed only this loss: their storage is reused for the gradient
+        want = entropy and (self.cfg.log_entropy or self.objective.needs_entropy)
+        lp, ent = self._kernel(batch, logits, with_entropy=want, inplace=True)
         mask = batch["loss_mask"].to(torch.float32)
         ids = batch.get("sample_index")
         ids = ids.tolist() if ids is not None else None
@@ -255,14 +260,7 @@ class PolicyUpdate:
 
         def loss_fn(batch, logits):
             with torch.no_grad():
-                lp, _ = vocab_parallel_logprobs(
-                    logits,
-                    batch["targets"],
-                    self.groups.tp,
-                    temperature=self.temperature,
-                    chunk_size=self.cfg.logprob_chunk,
-                    vocab_size=self.vocab_size,
-                )
+                lp, _ = self._kernel(batch, logits)
                 out.append(lp.float() * batch["loss_mask"].to(torch.float32))
             return torch.zeros((), device=logits.device), 0, {}
 
