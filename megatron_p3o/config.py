@@ -146,12 +146,18 @@ class TrainConfig:
 
     def _check_sglang(self, world_size: int) -> None:
         r = self.rollout
-        if r.engine == "sglang" and r.weight_sync == "colocated" and r.sglang.tp_size > 1:
-            raise ConfigError(
-                f"rollout.weight_sync=colocated with rollout.sglang.tp_size={r.sglang.tp_size}: "
-                "CUDA-IPC pushes to a server with TP > 1 (one payload per server rank, built on "
-                "that rank's GPU) are not implemented; use weight_sync=nccl or disk, or tp_size=1"
-            )
+        if r.engine == "sglang" and r.weight_sync == "colocated":
+            if r.max_staleness > 0:
+                raise ConfigError(
+                    f"rollout.weight_sync=colocated with rollout.max_staleness={r.max_staleness}: "
+                    "a colocated server frees its GPU memory while the trainer updates, so it "
+                    "cannot generate meanwhile; use max_staleness=0 or weight_sync=nccl"
+                )
+            if r.sglang.tp_size > world_size:
+                raise ConfigError(
+                    f"rollout.weight_sync=colocated: rollout.sglang.tp_size={r.sglang.tp_size} "
+                    f"> {world_size} trainer GPUs (server rank r shares trainer rank r's GPU)"
+                )
         if r.engine == "sglang" and r.sglang.kv_cache_dtype == "fp8_e5m2":
             raise ConfigError(
                 "rollout.sglang.kv_cache_dtype=fp8_e5m2 forces SGLang's triton attention "

@@ -152,6 +152,7 @@ class Trainer:
         with timer("advantage"):
             adv = self._advantages(batch)
         with timer("train"):
+            self.rollout.before_update()
             update = self._update(batch, adv)
         self.step_idx += 1
         with timer("sync"):

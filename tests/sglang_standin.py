@@ -4,7 +4,8 @@ What it enforces, as that release does (``tests/unit/test_sglang_protocol.py`` r
 from the release's own source): weight pushes over NCCL/IPC only inside a weight-update session
 (``/begin_weight_update`` … ``/end_weight_update``), ``weight_version`` reported as the string
 ``"default"`` until a push sets it, and, when started with an API key, ``401`` for any request
-without ``Authorization: Bearer <key>``. It records every route it was asked for, in order.
+without ``Authorization: Bearer <key>``; a push while the weights' memory is released
+(colocated servers) is refused. It records every route it was asked for, in order.
 Generation is delegated to ``generate(body) -> (output_ids, logprobs, finish_type)``.
 """
 
@@ -30,6 +31,7 @@ class SGLangStandIn:
         self.routes: List[Tuple[str, dict]] = []  # (path, body) in arrival order
         self.version = "default"
         self.in_session = self.paused = False
+        self.released: set = set()  # memory tags given back (colocated servers)
         self.generated, self.loads, self.refused = 0, [], 0
         outer = self
 
@@ -115,7 +117,15 @@ class SGLangStandIn:
                 return self._fail("no weight-update session is open")
             self.in_session = False
             return {"success": True, "message": ""}, 200
+        if path == "/release_memory_occupation":
+            self.released = set(body.get("tags") or ("weights", "kv_cache"))
+            return {}, 200
+        if path == "/resume_memory_occupation":
+            self.released -= set(body.get("tags") or ("weights", "kv_cache"))
+            return {}, 200
         if path in SESSION_ROUTES:
+            if "weights" in self.released:
+                return self._fail(f"{path}: the weights' memory is released (resume it first)")
             if not self.in_session:
                 return self._fail(f"{path} outside a weight-update session (begin_weight_update)")
             if body.get("weight_version") is not None:

@@ -67,6 +67,9 @@ class RolloutBackend(abc.ABC):
         """The next rollout batch (blocks until the schedule's weight version produced it)."""
         return self.scheduler.next()
 
+    def before_update(self) -> None:  # noqa: B027 - most backends have nothing to do here
+        """The trainer is about to update the model (a colocated server frees its memory)."""
+
     def publish(self, step: int, reeval: Reeval = ()) -> None:
         """After optimizer step ``step``: version ``step + 1``, synced every ``sync_every``."""
         version = step + 1
@@ -110,10 +113,17 @@ class SGLangBackend(RolloutBackend):
     def _sync(self, version: int) -> WeightUpdate:
         from ..weight_sync import iter_hf_buckets
 
-        buckets = iter_hf_buckets(self.weights.to_rank0(), 256 * 2**20)
-        self.engine.update_weights(buckets, version)
+        if self.cfg.weight_sync == "colocated":  # every rank builds its GPU's IPC payload
+            self.engine.update_weights_colocated(self.weights, version, self.cfg.sglang.tp_size)
+        else:  # streamed to rank 0, which pushes (NCCL broadcast or a disk checkpoint)
+            buckets = iter_hf_buckets(self.weights.to_rank0(), 256 * 2**20)
+            self.engine.update_weights(buckets, version)
         self.evaluator.weight_version = version
         return WeightsPushed()
+
+    def before_update(self) -> None:
+        if self.cfg.weight_sync == "colocated":
+            self.engine.release_memory()
 
     def evaluate(self, prompts, sampling, version) -> List[Sample]:
         return self.evaluator.generate(prompts, 1, sampling)  # the last sync point's weights

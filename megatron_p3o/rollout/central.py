@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
@@ -99,13 +100,53 @@ class CentralEngine(RolloutEngine):
         if self.inner is not None:
             if self.weight_sync == "disk":
                 self._push_from_disk(buckets, version)
-            elif self.weight_sync == "colocated":
-                self.inner.update_weights_colocated(buckets, version)
             else:
                 self.inner.update_weights(buckets, version)
         else:
             for _ in buckets:
                 pass
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        """Colocated: the server frees its GPU memory before the trainer's update (collective:
+        nobody allocates before rank 0 has heard back)."""
+        if self.inner is not None:
+            self.inner.release_memory()
+            self._released = True
+        # objects group: the trainer ranks sharing the server's GPUs wait for the release.
+        dist.barrier(group=self.objects)
+
+    def update_weights_colocated(self, weights, version: int, server_tp: int) -> None:
+        """Colocated CUDA-IPC push (collective). Every rank holds the full tensors on its own
+        GPU; ranks 0…T−1, which share the GPUs of server ranks 0…T−1, serialize their copy of
+        each bucket; rank 0 sends payload r to server rank r inside one weight-update session,
+        with the server's weights resumed before and its KV cache after."""
+        from ..weight_sync import iter_hf_buckets
+        from ..weight_sync.ipc import payload_ranks, serialize_named_tensors
+        from .sglang_engine import _with_last
+
+        g = self.groups
+        ranks = payload_ranks(server_tp, g.world_size)
+        tensors = weights.full()
+        released = self.inner is not None and getattr(self, "_released", False)
+        with ExitStack() as stack:
+            if self.inner is not None:
+                if released:
+                    self.inner.resume_memory(["weights"])
+                stack.enter_context(self.inner.sessions())
+            for bucket, last in _with_last(iter_hf_buckets(iter(tensors), 256 * 2**20)):
+                named = [(n, t.contiguous()) for n, t in bucket]
+                blob = serialize_named_tensors(named) if g.rank in ranks else None
+                blobs: List[Optional[str]] = [None] * g.world_size
+                # objects group: every server TP rank's payload to rank 0, which posts them.
+                dist.all_gather_object(blobs, blob, group=self.objects)
+                if self.inner is not None:
+                    self.inner.push_ipc([blobs[r] for r in ranks], version, last)
+                # objects group: the handles' tensors stay alive until the server loaded them.
+                dist.barrier(group=self.objects)
+        if released:
+            self.inner.resume_memory(["kv_cache"])
+            self._released = False
         self.weight_version = version
 
     def _push_from_disk(self, buckets: Iterable[Bucket], version: int) -> None:

@@ -1,6 +1,7 @@
 """SGLang rollout engine: launch or attach to a server (or router), generate with behaviour
 log-probs, and push weights: NCCL broadcast (``update_weights``), CUDA IPC when colocated
-(``update_weights_colocated``) or a checkpoint on disk (``update_weights_from_disk``).
+(``push_ipc``, payloads built by every colocated trainer rank) or a checkpoint on disk
+(``update_weights_from_disk``).
 
 Request and response fields follow SGLang's own server code (0.5.x, read from its wheel):
 ``POST /generate`` with ``input_ids``, ``sampling_params`` and ``return_logprob``; the response's
@@ -454,20 +455,23 @@ class SGLangEngine(RolloutEngine):
             # weight-sync group: trainer rank 0 sends each full tensor to every server rank
             pg.broadcast([t.cuda().contiguous()], opts).wait()
 
-    def update_weights_colocated(self, buckets: Iterable[Bucket], version: int) -> None:
-        """Colocated trainer and server on the same GPUs: hand CUDA tensors over by IPC handle
-        (``/update_weights_from_tensor``), in one weight-update session. GPU-unverified, and
-        correct for server TP = 1 only (see README: what has run on a GPU)."""
-        from sglang.srt.utils import MultiprocessingSerializer  # GPU clusters only
+    def push_ipc(self, payloads: Sequence[str], version: int, last: bool) -> None:
+        """One bucket by CUDA-IPC handle inside a session: payload r for server TP rank r
+        (built by the trainer rank on that GPU, :mod:`megatron_p3o.weight_sync.ipc`)."""
+        if len(payloads) != self.cfg.tp_size:
+            raise ValueError(
+                f"{len(payloads)} IPC payloads for a server of tp_size {self.cfg.tp_size}"
+            )
+        body = {"serialized_named_tensors": list(payloads), **_last_bucket_fields(version, last)}
+        self._post_checked("/update_weights_from_tensor", body)
 
-        with self.weight_update_session():
-            for bucket, last in _with_last(buckets):
-                named = [(n, t.cuda().contiguous()) for n, t in bucket]
-                blob = MultiprocessingSerializer.serialize(named, output_str=True)
-                body = {"serialized_named_tensors": [blob] * self.cfg.tp_size}
-                body.update(_last_bucket_fields(version, last))
-                self._post_checked("/update_weights_from_tensor", body)
-        self.weight_version = version
+    def release_memory(self) -> None:
+        """Colocated: free the server's weights and KV cache for the trainer's update."""
+        self._post_checked("/release_memory_occupation", {})
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Colocated: take back ``tags`` ("weights", then "kv_cache" once they are loaded)."""
+        self._post_checked("/resume_memory_occupation", {"tags": list(tags)})
 
 
 def _with_last(items: Iterable):
@@ -598,9 +602,7 @@ class SGLangFleet(RolloutEngine):
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Every worker pauses and opens a session; each bucket (streamed once from the
         trainer) goes to every worker in turn; then every worker closes and resumes."""
-        with ExitStack() as sessions:
-            for w in self.workers:
-                sessions.enter_context(w.weight_update_session())
+        with self.sessions():
             for bucket, last in _with_last(buckets):
                 for w in self.workers:
                     w.push_bucket(bucket, version, last)
@@ -608,11 +610,25 @@ class SGLangFleet(RolloutEngine):
             w.weight_version = version
         self.weight_version = version
 
-    def update_weights_colocated(self, buckets: Iterable[Bucket], version: int) -> None:
-        buckets = list(buckets)
+    @contextmanager
+    def sessions(self):
+        """A weight-update session on every worker (pause → begin … end → continue)."""
+        with ExitStack() as stack:
+            for w in self.workers:
+                stack.enter_context(w.weight_update_session())
+            yield self
+
+    def push_ipc(self, payloads: Sequence[str], version: int, last: bool) -> None:
         for w in self.workers:
-            w.update_weights_colocated(buckets, version)
-        self.weight_version = version
+            w.push_ipc(payloads, version, last)
+
+    def release_memory(self) -> None:
+        for w in self.workers:
+            w.release_memory()
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        for w in self.workers:
+            w.resume_memory(tags)
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
         for w in self.workers:

@@ -83,3 +83,27 @@ def engine_vs_trainer(
             "version": samples[0].weight_version,
         }
     return report
+
+
+def colocated_push(groups, url: str, server_tp: int):
+    """The colocated round trip of one trainer step through the real collective code: the
+    server frees its memory before the update, then every trainer rank that shares a server
+    rank's GPU builds that rank's IPC payload of each bucket and rank 0 posts them."""
+    from megatron_p3o.parallel import new_object_group
+    from megatron_p3o.rollout.central import CentralEngine
+    from megatron_p3o.rollout.sglang_engine import SGLangConfig, SGLangEngine, SGLangFleet
+
+    inner = None
+    if groups.rank == 0:
+        srv = SGLangEngine(SGLangConfig(url=url, tp_size=server_tp, startup_timeout_s=10))
+        inner = SGLangFleet(srv, [srv]).start()
+    eng = CentralEngine(inner, groups, new_object_group(), "colocated")
+
+    class Weights:  # what TrainerWeights.full() hands every rank: the full tensors
+        def full(self):
+            g = torch.Generator().manual_seed(0)
+            return [(f"w{i}", torch.randn(300_000, generator=g)) for i in range(3)]
+
+    eng.release_memory()
+    eng.update_weights_colocated(Weights(), version=4, server_tp=server_tp)
+    return eng.weight_version

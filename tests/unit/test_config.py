@@ -118,5 +118,8 @@ def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
     with pytest.raises(ConfigError, match="fp8_e4m3"):
         load_config(None, base + ["rollout.sglang.kv_cache_dtype=fp8_e5m2"]).validate(1)
     colocated = base + ["rollout.weight_sync=colocated", "rollout.sglang.tp_size=2"]
-    with pytest.raises(ConfigError, match="tp_size=2: CUDA-IPC pushes"):
+    with pytest.raises(ConfigError, match="tp_size=2 > 1 trainer GPUs"):
         load_config(None, colocated).validate(1)
+    load_config(None, colocated).validate(2)
+    with pytest.raises(ConfigError, match="cannot generate meanwhile"):
+        load_config(None, colocated + ["rollout.max_staleness=1"]).validate(2)

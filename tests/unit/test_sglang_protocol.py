@@ -101,6 +101,10 @@ def _client_requests():
         ("/update_weights_from_disk", disk_payload("/m", 4)),
         ("/pause_generation", {"mode": "retract"}),
         ("/begin_weight_update", {}),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush_cache": True,
+                                         "weight_version": "4"}),
+        ("/release_memory_occupation", {}),
+        ("/resume_memory_occupation", {"tags": ["weights"]}),
         ("/end_weight_update", {}),
         ("/continue_generation", {}),
     ]  # fmt: skip
@@ -308,3 +312,52 @@ def test_weight_sync_group_forms_with_sglangs_own_code():
             if p.is_alive():
                 p.kill()
     assert got == {0: [0.0, 1.0, 2.0, 3.0], 1: [0.0, 1.0, 2.0, 3.0]}, got
+
+
+def _sglang_class(name: str):
+    """A class from the pinned wheel's ``utils/common.py``, compiled here."""
+    import base64
+    import pickle
+
+    with zipfile.ZipFile(_wheel()) as z:
+        tree = ast.parse(z.read("sglang/srt/utils/common.py"))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    ns = {"pickle": pickle, "torch": torch, "io": __import__("io"), "pybase64": base64}
+    exec(compile(ast.Module([node], []), "sglang/srt/utils/common.py", "exec"), ns)  # noqa: S102
+    return ns[name]
+
+
+def _sglang_receiver(blob: str, queue):
+    """A server TP rank: decode the payload as SGLang does (base64, then its SafeUnpickler,
+    which allows only torch's rebuild functions and plain containers)."""
+    import base64
+    import io
+
+    try:
+        unpickler = _sglang_class("SafeUnpickler")
+        named = unpickler(io.BytesIO(base64.b64decode(blob, validate=True))).load()
+        queue.put([(n, t.tolist()) for n, t in named])
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        queue.put(repr(e))
+
+
+def test_ipc_payload_is_read_by_sglangs_deserializer():
+    """Our payload (built without sglang) decodes with SGLang 0.5.23's own unpickler in another
+    process, to the same named tensors (CPU tensors travel by shared memory; CUDA ones by
+    IPC handle with the device UUID, which needs a GPU)."""
+    import multiprocessing as mp
+
+    from megatron_p3o.weight_sync.ipc import serialize_named_tensors
+
+    _wheel()
+    named = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.ones(2, 3))]
+    blob = serialize_named_tensors(named)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_sglang_receiver, args=(blob, q))
+    p.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        p.join(timeout=10)
+    assert got == [(n, t.tolist()) for n, t in named], got
