@@ -361,3 +361,25 @@ def test_ipc_payload_is_read_by_sglangs_deserializer():
     finally:
         p.join(timeout=10)
     assert got == [(n, t.tolist()) for n, t in named], got
+
+
+def test_a_restart_mid_rollout_never_mislabels_samples():
+    """The server dies and comes back (base weights, version "default") after the third of
+    eight concurrent requests: the rollout fails with the reason instead of tagging the later
+    samples with the version the client pushed before."""
+    calls = {"n": 0}
+
+    def generate(body):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            srv.restart()
+        return [5, 6], [-0.5, -0.25], "length"
+
+    srv = SGLangStandIn(generate)
+    try:
+        eng = _engine(srv)
+        eng.update_weights([BUCKET], version=2)
+        with pytest.raises(EngineResponseError, match="weight_version 'default'"):
+            eng.generate([[1]] * 8, 1, SamplingParams(max_new_tokens=2))
+    finally:
+        srv.close()

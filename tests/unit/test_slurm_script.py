@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(tmp_path, recipe, nodes):
+def _run(tmp_path, recipe, nodes, healthy=True):
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     log = tmp_path / "srun.log"
@@ -23,7 +23,7 @@ def _run(tmp_path, recipe, nodes):
         "srun": '#!/bin/sh\ncvd=$(echo "$*" | '
         "sed -n 's/.* env CUDA_VISIBLE_DEVICES=\\([0-9,]*\\) .*/\\1/p')\n"
         f'echo "$cvd|$*" >> {log}\n',
-        "curl": f'#!/bin/sh\necho "$*" >> {tmp_path / "curl.log"}\nexit 0\n',
+        "curl": f'#!/bin/sh\necho "$*" >> {tmp_path / "curl.log"}\nexit {0 if healthy else 7}\n',
     }
     for name, text in fakes.items():
         (bin_ / name).write_text(text)
@@ -118,3 +118,11 @@ def test_single_node_shares_gpus(tmp_path):
 def test_too_few_nodes_is_refused(tmp_path):
     with pytest.raises(AssertionError, match="needs 4 training node"):
         _run(tmp_path, "recipes/llama31_70b_h100x64.yaml", nodes=4)
+
+
+def test_a_server_that_never_comes_up_stops_the_job(tmp_path):
+    """The wait loops have liveness and time bounds: a server whose launcher exited (here:
+    srun returns at once and /health never answers) fails the job, naming the log directory,
+    instead of waiting forever."""
+    with pytest.raises(AssertionError, match="launcher exited before it became healthy"):
+        _run(tmp_path, "recipes/qwen3_8b_h100x8.yaml", nodes=1, healthy=False)
