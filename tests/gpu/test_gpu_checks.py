@@ -106,6 +106,9 @@ def test_sglang_generate_logprobs_and_weight_sync(tmp_path):
     sp = SamplingParams(temperature=0.8, max_new_tokens=16, seed=0)
     prompts = [[1, 2, 3, 4, 5], [10, 20, 30]]
     with SGLangEngine(cfg) as eng:
+        # a fresh server reports weight_version "default", which the client refuses to tag
+        # samples with: give it a version first, as the trainer always does
+        eng.update_weights_from_disk(str(tmp_path / "m0"), version=0)
         t0 = time.time()
         samples = eng.generate(prompts, 2, sp)
         raw = eng._request(
@@ -145,7 +148,13 @@ def test_sglang_generate_logprobs_and_weight_sync(tmp_path):
 @pytest.mark.parametrize("weight_sync", ["nccl", "disk"])
 def test_trainer_drives_a_real_sglang_server(tmp_path, weight_sync):
     """The tiny recipe for 3 steps with rollouts from a real SGLang server that training rank 0
-    launches on the same GPU; weights pushed after every step."""
+    launches; weights pushed after every step. NCCL needs the server on a GPU of its own (one
+    GPU for both is refused: NCCL cannot put two ranks of a group on one device)."""
+    gpus = None
+    if weight_sync == "nccl":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("NCCL weight sync needs a second GPU for the server")
+        gpus = "1"
     import subprocess
     import sys
 
@@ -158,7 +167,9 @@ def test_trainer_drives_a_real_sglang_server(tmp_path, weight_sync):
             str(root / "tools/make_tiny_base.py"),
             "--out",
             str(base),
-            "--steps",
+            "--max-steps",
+            "25",
+            "--eval-every",
             "25",
             "--target-acc",
             "0",
@@ -219,6 +230,7 @@ def test_trainer_drives_a_real_sglang_server(tmp_path, weight_sync):
             f"rollout.weight_sync_port={_free_port()}",
             "--set",
             "rollout.max_staleness=1",
+            *(["--set", f"rollout.sglang.gpus='{gpus}'"] if gpus else []),
         ],
         capture_output=True,
         text=True,
