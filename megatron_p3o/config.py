@@ -147,11 +147,13 @@ class TrainConfig:
     def _check_sglang(self, world_size: int) -> None:
         r = self.rollout
         if r.engine == "sglang" and r.weight_sync == "colocated":
-            if r.max_staleness > 0:
+            if r.max_staleness > 0 or r.sync_every > 1:
                 raise ConfigError(
-                    f"rollout.weight_sync=colocated with rollout.max_staleness={r.max_staleness}: "
-                    "a colocated server frees its GPU memory while the trainer updates, so it "
-                    "cannot generate meanwhile; use max_staleness=0 or weight_sync=nccl"
+                    f"rollout.weight_sync=colocated with rollout.max_staleness={r.max_staleness}, "
+                    f"sync_every={r.sync_every}: a colocated server frees its GPU memory for every "
+                    "update and takes it back with the new weights, so it cannot generate "
+                    "meanwhile nor skip a sync; use max_staleness=0 and sync_every=1, or "
+                    "weight_sync=nccl"
                 )
             if r.sglang.tp_size > world_size:
                 raise ConfigError(

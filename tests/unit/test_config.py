@@ -123,3 +123,5 @@ def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
     load_config(None, colocated).validate(2)
     with pytest.raises(ConfigError, match="cannot generate meanwhile"):
         load_config(None, colocated + ["rollout.max_staleness=1"]).validate(2)
+    with pytest.raises(ConfigError, match="nor skip a sync"):
+        load_config(None, colocated + ["rollout.sync_every=2"]).validate(2)
