@@ -44,16 +44,13 @@ class CentralEngine(RolloutEngine):
     ):
         if (groups.rank == 0) != (inner is not None):
             raise ValueError("CentralEngine: the server engine lives on global rank 0 only")
-        self.inner, self.groups, self.objects = (
-            inner,
-            groups,
-            objects,
-        )  # objects: parallel.new_object_group()
+        self.inner, self.groups = inner, groups
+        self.objects = objects  # parallel.new_object_group(): this engine's own gloo group
         self.weight_sync, self.sync_dir, self.hf_config = weight_sync, sync_dir, hf_config
+        self._released = False  # colocated: the server gave its GPU memory back (rank 0)
         self.name = f"central({inner.name if inner else 'remote'})"
         self.weight_version = inner.weight_version if inner is not None else 0
-        g = groups
-        self.leader = g.is_dp_leader
+        self.leader = groups.is_dp_leader
 
     # -- collectives over the gloo objects group ------------------------------------------------
     def generate(
@@ -128,7 +125,7 @@ class CentralEngine(RolloutEngine):
         g = self.groups
         ranks = payload_ranks(server_tp, g.world_size)
         tensors = weights.full()
-        released = self.inner is not None and getattr(self, "_released", False)
+        released = self._released
         with ExitStack() as stack:
             if self.inner is not None:
                 if released:

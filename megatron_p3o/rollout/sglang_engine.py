@@ -213,7 +213,7 @@ def parse_generate_response(
             f"SGLang request {rid} (prompt group {group_id}): non-finite "
             f"behaviour log-prob at completion token {bad[0]}"
         )
-    version = meta.get("weight_version", None if fallback_version is None else fallback_version)
+    version = meta.get("weight_version", fallback_version)
     try:
         version = int(version)
     except (TypeError, ValueError):
@@ -588,7 +588,6 @@ class SGLangFleet(RolloutEngine):
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> List[Sample]:
-        self.router.weight_version = self.weight_version  # fallback when a response has no version
         return self.router.generate(prompts, n, sampling)
 
     def init_weight_update_groups(self, master_address: str, first_port: int) -> None:
