@@ -1,7 +1,26 @@
-"""Where the repository is and the environment the CLI subprocesses run with."""
+"""Where the repository is, the environment the CLI subprocesses run with, and the command-line
+pieces several e2e tests share."""
 
 import os
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+
+
+def torchrun(nproc: int) -> list:
+    """``torchrun --standalone`` (a free rendezvous port: no fixed ports) with ``nproc`` ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc)]  # fmt: skip
+
+
+def sglang_disk_sets(url: str, sync_dir) -> list:
+    """``--set`` items that send rollouts to the SGLang server at ``url``, weights via disk."""
+    sets = {
+        "rollout.engine": "sglang",
+        "rollout.sglang.url": url,
+        "rollout.weight_sync": "disk",
+        "rollout.weight_sync_dir": sync_dir,
+    }
+    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .cli import ENV, ROOT
+from .cli import ENV, ROOT, sglang_disk_sets, torchrun
 from .test_tiny_recipe import _sets
 
 RECIPE = str(ROOT / "recipes/tiny_cpu.yaml")
@@ -112,16 +112,9 @@ def test_dead_rollout_server(base, tmp_path):
         TRAIN,
         RECIPE,
         *_sets(base, tmp_path, "dead"),
-        "--set",
-        "rollout.engine=sglang",
-        "--set",
-        f"rollout.sglang.url={url}",
+        *sglang_disk_sets(url, tmp_path / "w"),
         "--set",
         "rollout.sglang.startup_timeout_s=2",
-        "--set",
-        "rollout.weight_sync=disk",
-        "--set",
-        f"rollout.weight_sync_dir={tmp_path / 'w'}",
     )
     _one_line_error(r, TRAIN, url)
 
@@ -137,14 +130,7 @@ def test_non_finite_rollout_logprobs(base, tmp_path):
             TRAIN,
             RECIPE,
             *_sets(base, tmp_path, "nan"),
-            "--set",
-            "rollout.engine=sglang",
-            "--set",
-            f"rollout.sglang.url={srv.url}",
-            "--set",
-            "rollout.weight_sync=disk",
-            "--set",
-            f"rollout.weight_sync_dir={tmp_path / 'w'}",
+            *sglang_disk_sets(srv.url, tmp_path / "w"),
             "--set",
             "data.eval_path=''",
         )
@@ -194,12 +180,7 @@ def test_convert_errors(base, tmp_path):
 def test_torchrun_reports_once(tmp_path):
     r = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
+            *torchrun(2),
             "-m",
             TRAIN,
             RECIPE,

@@ -11,7 +11,6 @@ and async staleness stays within K. A real server on a GPU: tools/gpu_check.sh.
 import json
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Optional
@@ -19,7 +18,7 @@ from typing import Optional
 import pytest
 
 from ..sglang_standin import SGLangStandIn
-from .cli import ENV, ROOT
+from .cli import ENV, ROOT, sglang_disk_sets, torchrun
 from .test_tiny_recipe import _sets
 
 
@@ -76,25 +75,13 @@ def test_trainer_drives_one_server(base, tmp_path, layout):
     )
     r = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
+            *torchrun(2),
             "-m",
             "megatron_p3o.train",
             str(ROOT / "recipes/tiny_cpu.yaml"),
             *_sets(base, tmp_path, layout, steps=steps),
             *extra,
-            "--set",
-            "rollout.engine=sglang",
-            "--set",
-            f"rollout.sglang.url={srv.url}",
-            "--set",
-            "rollout.weight_sync=disk",
-            "--set",
-            f"rollout.weight_sync_dir={tmp_path / 'sync'}",
+            *sglang_disk_sets(srv.url, tmp_path / "sync"),
             "--set",
             "rollout.max_staleness=1",
             "--set",
