@@ -1,20 +1,38 @@
-"""Samples → training micro-batches: ``[b, s]`` tensors aligned with next-token targets.
+"""Samples → training micro-batches: padded ``[b, s]`` rows or packed ``[1, T]`` (THD) rows.
 
 Position t of a sequence predicts token t+1, so completion token j (at sequence position
-p + j, p = prompt length) is scored at position p + j − 1: there sit its target, its behaviour
-log-prob, its advantage and a 1 in the loss mask.
+p + j, p = prompt length) is scored at position p + j − 1. The model side of a micro-batch is
+``tokens`` / ``targets`` / ``position_ids`` (and ``cu_seqlens`` when packed); the loss side is
+the nested ``response`` dict of ``[n, L]`` tensors over the n sequences' completion tokens
+(L = the longest completion), with ``index`` pointing each completion token at its scoring
+position in the flattened token grid. The loss never sees padding or prompt positions, and the
+same response tensors serve a padded, a packed and a context-parallel forward.
+
+Packed micro-batches (``batch.max_tokens_per_gpu``): each optimizer step's samples are first
+balanced over DP ranks by tokens, then split into the fewest micro-batches that fit the token
+budget, as even as possible (:mod:`megatron_p3o.balance`). Each sequence is padded to a
+multiple of 2·cp (context parallelism cuts it into 2·cp chunks), each micro-batch to a multiple
+of cp·tp (sequence parallelism) and, under pipeline parallelism, to the step's longest
+micro-batch (the stages exchange fixed-shape activations); that padding is one filler sequence
+at the end that nobody scores.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
+from .balance import agree_on_count, balance_over_dp, imbalance, pack_by_budget
 from .errors import DataError
-from .model.forward import next_token_targets
+from .model.forward import MicroBatch
+from .parallel import ParallelGroups
 from .types import Sample
+
+RESPONSE_KEYS = ("behavior_logprobs", "advantages", "old_logprobs", "ref_logprobs")
 
 
 @dataclass(frozen=True)
@@ -23,58 +41,282 @@ class BatchConfig:
     prompts_per_rollout: prompts per rollout batch (× n_samples sequences).
     minibatches: optimizer steps per rollout batch.
     epochs: passes over the rollout batch.
-    micro_batch_size: sequences per micro-batch per DP rank.
+    micro_batch_size: sequences per padded micro-batch per DP rank (when
+        ``max_tokens_per_gpu`` is None: every sequence padded to ``model.seq_length``).
+    max_tokens_per_gpu: token budget of one packed micro-batch (None = padded micro-batches).
+    balance_dp: spread each optimizer step's tokens evenly over DP ranks (packed mode).
     """
 
     prompts_per_rollout: int = 64
     minibatches: int = 1
     epochs: int = 1
     micro_batch_size: int = 4
+    max_tokens_per_gpu: Optional[int] = None
+    balance_dp: bool = True
+
+    def __post_init__(self):
+        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
+            raise ValueError(f"batch.max_tokens_per_gpu={self.max_tokens_per_gpu} must be >= 1")
 
 
-def samples_to_microbatches(
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _sequence(s: Sample, seq_length: int, name: int) -> List[int]:
+    seq = s.prompt_ids + s.completion_ids
+    if len(seq) > seq_length:
+        raise DataError(
+            f"sample {name} (prompt group {s.group_id}) has {len(seq)} tokens "
+            f"> model.seq_length={seq_length}; raise seq_length or lower max_new_tokens"
+        )
+    return seq
+
+
+def _response(
+    samples: Sequence[Sample], advantages: Sequence[float], starts: Sequence[int], ids
+) -> Dict[str, torch.Tensor]:
+    """The ``[n, L]`` loss-side tensors of sequences starting at flattened ``starts``."""
+    n = len(samples)
+    longest = max([len(s.completion_ids) for s in samples] + [1])
+    mask = torch.zeros(n, longest)
+    blp = torch.zeros(n, longest)
+    adv = torch.zeros(n, longest)
+    index = torch.zeros(n, longest, dtype=torch.long)
+    for i, (s, a, start) in enumerate(zip(samples, advantages, starts)):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        if c:
+            mask[i, :c] = 1.0
+            blp[i, :c] = torch.tensor(s.logprobs)
+            adv[i, :c] = float(a)
+            index[i, :c] = torch.arange(start + p - 1, start + p - 1 + c)
+    return {
+        "mask": mask,
+        "behavior_logprobs": blp,
+        "advantages": adv,
+        "index": index,
+        "sample_index": torch.as_tensor(list(ids), dtype=torch.long),
+    }
+
+
+def padded_microbatches(
     samples: Sequence[Sample],
-    advantages: torch.Tensor,
+    advantages,
     seq_length: int,
     micro_batch_size: int,
     pad_id: int = 0,
     first_index: int = 0,
-) -> List[Dict[str, torch.Tensor]]:
-    """Pack samples (in order) into micro-batches of ``micro_batch_size`` sequences."""
+) -> List[MicroBatch]:
+    """Samples (in order) in micro-batches of ``micro_batch_size`` rows of ``seq_length``."""
     if len(samples) % micro_batch_size:
         raise ValueError(
             f"{len(samples)} samples do not split into micro-batches of {micro_batch_size}"
         )
-    n = len(samples)
-    tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
-    mask = torch.zeros(n, seq_length)
-    blp = torch.zeros(n, seq_length)
-    adv = torch.zeros(n, seq_length)
-    for i, s in enumerate(samples):
-        seq = s.prompt_ids + s.completion_ids
-        if len(seq) > seq_length:
-            raise DataError(
-                f"sample {first_index + i} (prompt group {s.group_id}) has {len(seq)} tokens "
-                f"> model.seq_length={seq_length}; raise seq_length or lower max_new_tokens"
-            )
-        tokens[i, : len(seq)] = torch.tensor(seq)
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        if c:
-            mask[i, p - 1 : p - 1 + c] = 1.0
-            blp[i, p - 1 : p - 1 + c] = torch.tensor(s.logprobs)
-            adv[i, p - 1 : p - 1 + c] = float(advantages[i])
+    adv = [float(a) for a in advantages]
     out = []
-    for k in range(0, n, micro_batch_size):
-        sl = slice(k, k + micro_batch_size)
-        t = tokens[sl]
+    for k in range(0, len(samples), micro_batch_size):
+        part = samples[k : k + micro_batch_size]
+        tokens = torch.full((len(part), seq_length), pad_id, dtype=torch.long)
+        targets = torch.full_like(tokens, pad_id)
+        for i, s in enumerate(part):
+            seq = torch.tensor(_sequence(s, seq_length, first_index + k + i))
+            tokens[i, : len(seq)] = seq
+            targets[i, : len(seq) - 1] = seq[1:]
+        ids = range(first_index + k, first_index + k + len(part))
+        starts = [i * seq_length for i in range(len(part))]
         out.append(
             {
-                "tokens": t,
-                "targets": next_token_targets(t, pad_id),
-                "loss_mask": mask[sl],
-                "behavior_logprobs": blp[sl],
-                "advantages": adv[sl],
-                "sample_index": torch.arange(first_index + k, first_index + k + t.shape[0]),
+                "tokens": tokens,
+                "targets": targets,
+                "response": _response(part, adv[k : k + len(part)], starts, ids),
             }
         )
     return out
+
+
+def packed_microbatch(
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    ids: Sequence[int],
+    seq_length: int,
+    pad_id: int = 0,
+    align: int = 1,
+    multiple: int = 1,
+    pad_to: int = 0,
+) -> MicroBatch:
+    """One ``[1, T]`` row: the samples back to back, each padded to a multiple of ``align``,
+    plus one unscored filler sequence up to a multiple of ``multiple`` (and ``pad_to``)."""
+    seqs = [_sequence(s, seq_length, i) for s, i in zip(samples, ids)]
+    lens = [_round_up(max(len(q), 1), align) for q in seqs]
+    total = sum(lens)
+    target = max(_round_up(max(total, 1), multiple), pad_to)
+    if target > total:
+        lens.append(target - total)
+        seqs.append([])
+    tokens = torch.full((1, target), pad_id, dtype=torch.long)
+    targets = torch.full_like(tokens, pad_id)
+    position_ids = torch.zeros_like(tokens)
+    starts = [0]
+    for q, n in zip(seqs, lens):
+        a = starts[-1]
+        if q:
+            tokens[0, a : a + len(q)] = torch.tensor(q)
+            targets[0, a : a + len(q) - 1] = torch.tensor(q[1:])
+        position_ids[0, a : a + n] = torch.arange(n)
+        starts.append(a + n)
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "position_ids": position_ids,
+        "cu_seqlens": torch.tensor(starts, dtype=torch.int32),
+        "response": _response(samples, advantages, starts[: len(samples)], ids),
+    }
+
+
+def nest_response(mb: MicroBatch) -> MicroBatch:
+    """A flat padded micro-batch (``loss_mask``, ``behavior_logprobs``, ``advantages`` … as
+    ``[b, s]`` tensors aligned with ``targets``) in the nested form, in place; the response
+    tensors then span every position of each row."""
+    if "response" in mb:
+        return mb
+    b, s = mb["tokens"].shape
+    resp = {"mask": mb.pop("loss_mask").float(), "index": torch.arange(b * s).reshape(b, s)}
+    for k in RESPONSE_KEYS + ("sample_index",):
+        if k in mb:
+            resp[k] = mb.pop(k)
+    mb["response"] = resp
+    return mb
+
+
+def real_tokens(samples: Sequence[Sample]) -> int:
+    return sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+
+
+class MicroBatcher:
+    """Builds every optimizer step's micro-batches of one rollout batch on this rank.
+
+    ``equal_counts``: every DP rank gets the same number of micro-batches per step (needed when
+    a collective runs per micro-batch, e.g. ESS scope "microbatch").
+    """
+
+    def __init__(
+        self,
+        cfg: BatchConfig,
+        groups: ParallelGroups,
+        seq_length: int,
+        pad_id: int,
+        equal_counts: bool = False,
+    ):
+        self.cfg, self.groups, self.seq_length, self.pad_id = cfg, groups, seq_length, pad_id
+        self.equal_counts = equal_counts
+        lay = groups.layout
+        self.align = 2 * lay.cp if lay.cp_enabled else 1
+        tp_sp = lay.tp if lay.sequence_parallel else 1
+        self.multiple = math.lcm(self.align, lay.cp * tp_sp)
+
+    def token_cost(self, s: Sample) -> int:
+        """Tokens a sample occupies in a packed micro-batch."""
+        return _round_up(max(len(s.prompt_ids) + len(s.completion_ids), 1), self.align)
+
+    def build(self, samples: Sequence[Sample], advantages) -> Tuple[List[List[MicroBatch]], Dict]:
+        """``(micro-batches of each optimizer step, packing metrics)``; mini-batch m holds the
+        m-th consecutive slice of this rank's samples."""
+        n_steps = self.cfg.minibatches
+        per = len(samples) // n_steps
+        adv = [float(a) for a in advantages]
+        steps, stats = [], []
+        for m in range(n_steps):
+            sl = slice(m * per, (m + 1) * per)
+            if self.cfg.max_tokens_per_gpu is None:
+                mbs = padded_microbatches(
+                    samples[sl], adv[sl], self.seq_length, self.cfg.micro_batch_size,
+                    self.pad_id, m * per,
+                )  # fmt: skip
+                st = {}
+                real = real_tokens(samples[sl])
+            else:
+                mbs, st, real = self._packed(samples[sl], adv[sl], m * per)
+            st.update(_shape_stats(mbs, real))
+            steps.append(mbs)
+            stats.append(st)
+        return steps, self._reduce(stats)
+
+    def _packed(self, samples, adv, first: int):
+        g = self.groups
+        lengths = [self.token_cost(s) for s in samples]
+        items = list(zip(samples, adv))
+        if self.cfg.balance_dp:
+            mine, st = balance_over_dp(items, lengths, g.dp, g.dp_rank)
+            mine = [(first + i, it) for i, it in mine]
+        else:
+            off = first + g.dp_rank * len(items)  # names unique over DP (equal shares)
+            mine, st = [(off + i, it) for i, it in enumerate(items)], {}
+        lens = [self.token_cost(it[0]) for _, it in mine]
+        budget = self.cfg.max_tokens_per_gpu
+        bins, _ = pack_by_budget(lens, budget)
+        count = len(bins)
+        if self.equal_counts:
+            count = agree_on_count(count, g.dp, g.device)
+            bins, _ = pack_by_budget(lens, budget, min_count=count)
+        oversize = sum(1 for n in lens if n > budget)
+        pad_to = 0
+        if g.layout.pp_enabled:  # one activation shape for the whole pipeline schedule
+            pad_to = max(_round_up(max(sum(lens[i] for i in b), 1), self.multiple) for b in bins)
+        mbs = []
+        for b in bins:
+            chosen = [mine[i] for i in b]
+            mbs.append(
+                packed_microbatch(
+                    [it[0] for _, it in chosen],
+                    [it[1] for _, it in chosen],
+                    [gid for gid, _ in chosen],
+                    self.seq_length,
+                    self.pad_id,
+                    self.align,
+                    self.multiple,
+                    pad_to,
+                )  # fmt: skip
+            )
+        st["oversize_samples"] = float(oversize)
+        return mbs, st, real_tokens([it[0] for _, it in mine])
+
+    def _reduce(self, stats: List[Dict]) -> Dict[str, float]:
+        """Mean over the rollout batch's optimizer steps; sums and maxima over DP ranks."""
+        keys = ("real", "computed", "n_micro", "oversize_samples")
+        dev, dp, n_steps = self.groups.device, self.groups.layout.dp, len(stats)
+        t = torch.tensor(
+            [sum(s.get(k, 0.0) for s in stats) for k in keys], dtype=torch.float64, device=dev
+        )
+        per_rank = torch.zeros(n_steps, dp, dtype=torch.float64, device=dev)
+        per_rank[:, self.groups.dp_rank] = torch.tensor([s["real"] for s in stats])
+        m = torch.tensor([max(s["max_tokens"] for s in stats)], dtype=torch.float64, device=dev)
+        if self.groups.layout.dp_enabled:
+            # DP group: the step's padding, micro-batch shapes and token loads over every
+            # data-parallel rank.
+            dist.all_reduce(t, group=self.groups.dp)
+            dist.all_reduce(per_rank, group=self.groups.dp)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        real, computed, n_micro, oversize = t.tolist()
+        out = {
+            "pad_fraction": 1.0 - real / max(computed, 1.0),
+            "tokens_per_microbatch_mean": computed / max(n_micro, 1.0),
+            "tokens_per_microbatch_max": float(m),
+            "microbatches_per_rank": n_micro / (dp * n_steps),
+            # real tokens of the busiest DP rank over the mean, per optimizer step
+            "dp_token_imbalance": sum(imbalance(r) for r in per_rank.tolist()) / n_steps,
+            "oversize_samples": oversize / dp,
+        }
+        before = [s["dp_token_imbalance_before"] for s in stats if "dp_token_imbalance_before" in s]
+        if before:
+            out["dp_token_imbalance_before"] = sum(before) / len(before)
+        return out
+
+
+def _shape_stats(mbs: List[MicroBatch], real: int) -> Dict[str, float]:
+    sizes = [int(mb["tokens"].numel()) for mb in mbs]
+    return {
+        "real": float(real),
+        "computed": float(sum(sizes)),
+        "n_micro": float(len(mbs)),
+        "max_tokens": float(max(sizes)),
+    }

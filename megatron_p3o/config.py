@@ -125,11 +125,13 @@ class TrainConfig:
                 self.parallel.vpp,
                 self.parallel.sequence_parallel,
             ).resolve(world_size)
-            lay.check_sequence(self.model.seq_length)
+            if self.batch.max_tokens_per_gpu is None:  # padded rows are what CP splits
+                lay.check_sequence(self.model.seq_length)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
         seqs = self.batch.prompts_per_rollout * self.rollout.n_samples
-        per_step = lay.dp * self.batch.micro_batch_size
+        packed = self.batch.max_tokens_per_gpu is not None
+        per_step = lay.dp * (1 if packed else self.batch.micro_batch_size)
         if seqs % self.batch.minibatches:
             raise ConfigError(
                 f"batch: prompts_per_rollout × n_samples = {self.batch.prompts_per_rollout} × "
@@ -139,8 +141,13 @@ class TrainConfig:
         step_seqs = seqs // self.batch.minibatches
         if step_seqs % per_step:
             raise ConfigError(
-                f"batch: {step_seqs} sequences per optimizer step are not a multiple of dp × "
-                f"micro_batch_size = {lay.dp} × {self.batch.micro_batch_size} = {per_step}"
+                f"batch: {step_seqs} sequences per optimizer step are not a multiple of "
+                + (
+                    f"dp = {lay.dp}"
+                    if packed
+                    else f"dp × micro_batch_size = {lay.dp} × {self.batch.micro_batch_size} "
+                    f"= {per_step}"
+                )
             )
         return self
 
@@ -192,11 +199,20 @@ class TrainConfig:
         b, n = self.batch, self.rollout.n_samples
         seqs = b.prompts_per_rollout * n
         per_step = seqs // b.minibatches
-        micro = per_step // (dp * b.micro_batch_size)
-        return (
+        head = (
             f"batch: {b.prompts_per_rollout} prompts × {n} samples = {seqs} sequences per "
             f"rollout → {b.minibatches} optimizer step(s) × {b.epochs} epoch(s); per step "
-            f"{per_step} = dp {dp} × micro-batch {b.micro_batch_size} × {micro} micro-batches"
+        )
+        if b.max_tokens_per_gpu is not None:
+            return head + (
+                f"{per_step} = dp {dp} × {per_step // dp} sequences, packed into micro-batches "
+                f"of ≤ {b.max_tokens_per_gpu} tokens"
+                + (", tokens balanced over DP" if b.balance_dp and dp > 1 else "")
+            )
+        micro = per_step // (dp * b.micro_batch_size)
+        return head + (
+            f"{per_step} = dp {dp} × micro-batch {b.micro_batch_size} × {micro} micro-batches "
+            f"padded to {self.model.seq_length} tokens"
         )
 
 

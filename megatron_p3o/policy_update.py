@@ -10,20 +10,29 @@ Order of one optimizer step (``PolicyUpdate.run``):
    the single normalizer N_B (or the sequence count), known before any gradient.
 2. ESS pre-pass (scope ``step``, objectives that need e_B): a no-grad forward of every
    micro-batch with the current weights gives float64 (Σρ, Σρ², N); they are summed over
-   micro-batches and all-reduced once over DP×CP on the last pipeline stage. e_B is then
+   micro-batches and all-reduced once over DP on the last pipeline stage. e_B is then
    frozen for the gradient pass (the weights do not change inside the step, so it is exact).
+   The metric-only entropy is taken here too (no gradient pass pays for it).
    Scope ``microbatch`` (FeynRL-compatible) skips the pre-pass: micro-batch k's e_B pools the
-   k-th micro-batch of every DP×CP rank.
+   k-th micro-batch of every DP rank.
 3. Gradient pass through ``forward_backward``: each micro-batch returns Σ terms / N_B. Megatron
    only sums (``calculate_per_token_loss`` + our finalizer), so the gradient is that of one
    process holding the whole step batch.
 4. The loss-side metrics live on the last pipeline stage; they are sent to every stage so the
    logger (global rank 0, first stage) writes them under PP > 1 too.
 
-Micro-batch keys: ``tokens``, ``targets``, ``loss_mask``, ``behavior_logprobs``, ``advantages``
-(all ``[b, s]``, aligned with ``targets``), optionally ``old_logprobs``, ``ref_logprobs``,
-``sample_index`` (``[b]``). Objectives with their own advantages (OAPL's A*) deliver them in
-``advantages`` from the advantage stage.
+Context parallelism: each CP rank scores its own chunks of every sequence; the per-token
+ℓθ are then all-gathered over CP (:func:`~megatron_p3o.model.packed.gather_tokens`) so that every
+CP rank computes the same loss of *whole* sequences. Objectives nonlinear in a sequence's sum
+(GSPO, OAPL) and the ℓold recompute therefore work at any CP, and the loss side reduces over DP
+only.
+
+Micro-batches come from :mod:`megatron_p3o.batching` (padded or packed): ``tokens``, ``targets``
+and a nested ``response`` dict of ``[n, L]`` completion-token tensors (``mask``,
+``behavior_logprobs``, ``advantages``, ``index``, ``sample_index``, optionally
+``old_logprobs`` / ``ref_logprobs``). Flat padded micro-batches (``loss_mask``,
+``behavior_logprobs``… as ``[b, s]``) are accepted and nested in place. Objectives with their
+own advantages (OAPL's A*) deliver them in ``advantages`` from the advantage stage.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import Any, Dict, List, Literal, Optional
 import torch
 import torch.distributed as dist
 
+from .batching import nest_response
 from .loss.diagnostics import add_mismatch_metrics, finalize_mismatch
 from .loss.ess import (
     EmptyStepError,
@@ -48,7 +58,8 @@ from .loss.registry import Objective
 from .loss.terms import LossInputs, StepStats
 from .metrics import StepMetrics
 from .model.forward import MicroBatch, forward_backward
-from .parallel import LayoutError, ParallelGroups
+from .model.packed import gather_response, gather_tokens
+from .parallel import ParallelGroups
 
 
 @dataclass(frozen=True)
@@ -95,11 +106,6 @@ class PolicyUpdate:
     ):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0")
-        if objective.spec.whole_sequences and groups.layout.cp_enabled:
-            raise LayoutError(
-                f"objective {objective.name!r} is nonlinear in each sequence's token sum, and "
-                f"context parallelism (cp={groups.layout.cp}) splits sequences; use cp=1"
-            )
         self.objective, self.groups, self.vocab_size, self.cfg = objective, groups, vocab_size, cfg
         self.temperature = temperature
 
@@ -110,12 +116,13 @@ class PolicyUpdate:
             return
         msg = None
         for mb in microbatches:
-            ids = mb.get("sample_index")
+            r = mb["response"]
+            ids = r.get("sample_index")
             try:
                 check_finite(
                     "behaviour log-prob ℓb",
-                    mb["behavior_logprobs"],
-                    mb["loss_mask"].float(),
+                    r["behavior_logprobs"],
+                    r["mask"].float(),
                     ids.tolist() if ids is not None else None,
                 )
             except ValueError as e:
@@ -144,13 +151,13 @@ class PolicyUpdate:
     def _global_counts(self, microbatches: List[MicroBatch]) -> tuple:
         n_tok = n_seq = 0.0  # host-side sums of the (host) micro-batches' masks
         for mb in microbatches:
-            m = mb["loss_mask"].double()
+            m = mb["response"]["mask"].double()
             n_tok += float(m.sum())
             n_seq += float((m.sum(-1) > 0).sum())
         local = torch.tensor([n_tok, n_seq], dtype=torch.float64, device=self.groups.device)
         if self.groups.layout.dp_enabled:
             # DP group: each DP rank holds a disjoint share of the step's sequences (CP ranks of
-            # one DP rank hold the same, not yet CP-sliced, micro-batches: no CP reduction here).
+            # one DP rank hold the same micro-batches: no CP reduction here).
             dist.all_reduce(local, group=self.groups.dp)
         n_tok, n_seq = local.tolist()
         if n_tok <= 0:
@@ -158,8 +165,12 @@ class PolicyUpdate:
         return n_tok, n_seq
 
     def _kernel(self, batch, logits, with_entropy: bool = False, inplace: bool = False):
-        """ℓθ of the targets (and the entropy) from this TP rank's logits shard at T."""
-        return vocab_parallel_logprobs(
+        """ℓθ (and the entropy) ``[n, L]`` of each sequence's completion tokens at T.
+
+        The kernel scores this rank's tokens (its TP vocabulary shard, its CP chunks); under CP
+        the per-token values are gathered so that every CP rank holds whole sequences, then the
+        completion tokens are picked out of the padded or packed grid (``response.index``)."""
+        lp, ent = vocab_parallel_logprobs(
             logits,
             batch["targets"],
             self.groups.tp,
@@ -169,35 +180,44 @@ class PolicyUpdate:
             with_entropy=with_entropy,
             inplace_backward=inplace,
         )
+        resp = batch["response"]
+        index = batch.get("cp_token_index")
+        cp = self.groups.cp if index is not None else None
+        numel = index.numel() if index is not None else lp.numel()
+
+        def whole(x):
+            return gather_response(gather_tokens(x, index, numel, cp), resp["index"], resp["mask"])
+
+        return whole(lp), (whole(ent) if ent is not None else None)
 
     def _logprobs(self, batch, logits, entropy: bool = True):
         # the logits feed only this loss: their storage is reused for the gradient
-        want = entropy and (self.cfg.log_entropy or self.objective.needs_entropy)
-        lp, ent = self._kernel(batch, logits, with_entropy=want, inplace=True)
-        mask = batch["loss_mask"].to(torch.float32)
-        ids = batch.get("sample_index")
+        lp, ent = self._kernel(batch, logits, with_entropy=entropy, inplace=True)
+        resp = batch["response"]
+        mask = resp["mask"].to(torch.float32)
+        ids = resp.get("sample_index")
         ids = ids.tolist() if ids is not None else None
         if self.cfg.nonfinite == "mask":  # "error" was checked once, on every rank, before the step
             mask = check_finite(
-                "behaviour log-prob ℓb", batch["behavior_logprobs"], mask, ids, "mask"
+                "behaviour log-prob ℓb", resp["behavior_logprobs"], mask, ids, "mask"
             )
         mask = check_finite("trainer log-prob ℓθ", lp.detach(), mask, ids, self.cfg.nonfinite)
         return lp, ent, mask
 
     def _inputs(self, batch, lp, ent, mask) -> LossInputs:
+        resp = batch["response"]
         return LossInputs(
             logprobs=lp,
-            behavior_logprobs=batch["behavior_logprobs"],
-            advantages=batch["advantages"],
+            behavior_logprobs=resp["behavior_logprobs"],
+            advantages=resp["advantages"],
             mask=mask,
-            old_logprobs=batch.get("old_logprobs"),
-            ref_logprobs=batch.get("ref_logprobs"),
+            old_logprobs=resp.get("old_logprobs"),
+            ref_logprobs=resp.get("ref_logprobs"),
             # Group baselines (GRPO's, OAPL's V*) need whole prompt groups, which micro-batches and
             # DP ranks split: they are computed in the advantage stage and arrive in "advantages".
             entropy=ent,
             rewards=None,
             group_ids=None,
-            lengths=batch.get("seq_len"),
         )
 
     def _ess_stats(self, inp: LossInputs) -> torch.Tensor:
@@ -213,25 +233,30 @@ class PolicyUpdate:
         return ess, ess_p
 
     # -- stage 2: ESS pre-pass ---------------------------------------------------------------
-    def _ess_prepass(self, chunks, microbatches) -> Optional[tuple]:
-        acc: List[torch.Tensor] = []
+    def _ess_prepass(self, chunks, microbatches, acc: StepMetrics) -> Optional[tuple]:
+        """e_B of the step (no grad); with ``log_entropy`` the metric-only entropy is taken here,
+        so the gradient pass computes it only when the objective differentiates it."""
+        stats: List[torch.Tensor] = []
+        want_ent = self.cfg.log_entropy
 
         def loss_fn(batch, logits):
             with torch.no_grad():
-                lp, ent, mask = self._logprobs(batch, logits, entropy=False)
-                acc.append(self._ess_stats(self._inputs(batch, lp, ent, mask)))
+                lp, ent, mask = self._logprobs(batch, logits, entropy=want_ent)
+                stats.append(self._ess_stats(self._inputs(batch, lp, ent, mask)))
+                if ent is not None:
+                    acc.add("entropy", (ent * mask).sum(), mask.sum())
             return torch.zeros((), device=logits.device), 0, {}
 
-        k = self.cfg.prepass_fuse
-        fused = [_concat(microbatches[i : i + k]) for i in range(0, len(microbatches), k)]
-        if len({tuple(mb["tokens"].shape) for mb in fused}) > 1:
-            fused = microbatches  # a ragged last group: keep the schedule's shapes uniform
         with torch.no_grad():
-            forward_backward(chunks, self.groups, fused, loss_fn, forward_only=True)
+            forward_backward(
+                chunks, self.groups, _fuse(microbatches, self.cfg.prepass_fuse), loss_fn,
+                forward_only=True,
+            )  # fmt: skip
         if not self.groups.is_last_stage():
             return None
-        # DP×CP group: Σρ, Σρ², N of the whole optimizer step, all-reduced once.
-        total = all_reduce_stats(torch.stack(acc).sum(0), self.groups.dp_cp)
+        # DP group: Σρ, Σρ², N of the whole optimizer step, all-reduced once (CP ranks hold
+        # whole sequences after the loss-side gather: they agree, nothing to add over CP).
+        total = all_reduce_stats(torch.stack(stats).sum(0), self.groups.dp)
         return self._ess_values(total, "optimizer step")
 
     def _broadcast_from_last_stage(self, values: Optional[tuple]) -> tuple:
@@ -248,54 +273,59 @@ class PolicyUpdate:
 
     # -- ℓold / ℓprox: the policy at the start of the rollout batch ---------------------------
     def recompute_old_logprobs(self, chunks, microbatches: List[MicroBatch]) -> None:
-        """Store ``old_logprobs`` (ℓθ before this rollout batch's first update, no grad) in each
-        micro-batch, for the objectives that ratio against πold/πprox (decoupled PPO, TIS, MIS,
-        P4O). Computed on the last pipeline stage, where the loss runs."""
-        if self.groups.layout.cp_enabled:
-            raise LayoutError(
-                "recomputing ℓold under context parallelism is not supported yet "
-                f"(objective needs it; cp={self.groups.layout.cp})"
-            )
+        """Store ``response.old_logprobs`` (ℓθ before this rollout batch's first update, no grad)
+        in each micro-batch, for the objectives that ratio against πold/πprox (decoupled PPO,
+        TIS, MIS, P4O). Computed on the last pipeline stage, where the loss runs."""
+        for mb in microbatches:
+            nest_response(mb)
         out: List[torch.Tensor] = []
 
         def loss_fn(batch, logits):
             with torch.no_grad():
                 lp, _ = self._kernel(batch, logits)
-                out.append(lp.float() * batch["loss_mask"].to(torch.float32))
+                out.append(lp.float() * batch["response"]["mask"].to(torch.float32))
             return torch.zeros((), device=logits.device), 0, {}
 
         with torch.no_grad():
             forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=True)
         if self.groups.is_last_stage():
             for mb, lp in zip(microbatches, out):
-                mb["old_logprobs"] = lp
+                mb["response"]["old_logprobs"] = lp.to(mb["response"]["mask"].device)
 
     # -- stage 3: gradient pass --------------------------------------------------------------
     def run(
         self, chunks, microbatches: List[MicroBatch], forward_only: bool = False
     ) -> Dict[str, float]:
-        """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step."""
+        """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step.
+
+        Every CP rank computes the loss of whole sequences (see :meth:`_kernel`), so the loss
+        side sums over DP only."""
         for mb in microbatches:
-            mb.setdefault("seq_len", mb["loss_mask"].sum(-1))
+            nest_response(mb)
         self._check_behavior_logprobs(microbatches)
         n_tok, n_seq = self._global_counts(microbatches)
+        acc = StepMetrics()
         ess = ess_p = None
         step_scope = self.cfg.ess_scope == "step"
-        if self.objective.needs_ess and step_scope:
-            ess, ess_p = self._broadcast_from_last_stage(self._ess_prepass(chunks, microbatches))
-        acc = StepMetrics()
+        prepass = self.objective.needs_ess and step_scope
+        if prepass:
+            ess, ess_p = self._broadcast_from_last_stage(
+                self._ess_prepass(chunks, microbatches, acc)
+            )
+        entropy_done = prepass and self.cfg.log_entropy
+        want_ent = self.objective.needs_entropy or (self.cfg.log_entropy and not entropy_done)
         micro_ess: List[float] = []
         norm = n_seq if self.objective.per_sequence else n_tok
 
         def loss_fn(batch, logits):
-            lp, ent, mask = self._logprobs(batch, logits)
+            lp, ent, mask = self._logprobs(batch, logits, entropy=want_ent)
             inp = self._inputs(batch, lp, ent, mask)
             self.objective.check_inputs(inp)
             e, e_p = ess, ess_p
             if self.objective.needs_ess and not step_scope:
-                # DP×CP group: micro-batch k of every data/context rank forms one ESS pool.
+                # DP group: micro-batch k of every data-parallel rank forms one ESS pool.
                 e, e_p = self._ess_values(
-                    all_reduce_stats(self._ess_stats(inp), self.groups.dp_cp), "micro-batch"
+                    all_reduce_stats(self._ess_stats(inp), self.groups.dp), "micro-batch"
                 )
                 micro_ess.append(e)
             stats = StepStats(n_tokens=n_tok, n_seqs=n_seq, ess=e, ess_prox=e_p)
@@ -305,19 +335,20 @@ class PolicyUpdate:
                 acc.add("loss", loss.detach(), 1.0)
                 for k, (num, den) in pairs.items():
                     acc.add(k, num, den)
-                dropped = batch["loss_mask"].sum() - mask.sum()
+                dropped = batch["response"]["mask"].sum() - mask.sum()
                 acc.add("nonfinite_masked", dropped, 1.0)
-                add_mismatch_metrics(acc, inp)
+                add_mismatch_metrics(acc, inp, entropy=not entropy_done)
             return loss, int(mask.sum().item()), {}
 
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
         if self.groups.is_last_stage():
-            res = finalize_mismatch(acc.reduce(self.groups.dp_cp, self.groups.device).result())
+            # DP group: each DP rank's micro-batches hold a disjoint share of the sequences.
+            res = finalize_mismatch(acc.reduce(self.groups.dp, self.groups.device).result())
             res["log_ratio_hist"] = acc.coarse_hist(
                 "ratio", bins=200
             )  # 0.02-wide bins, log ρ ∈ [−2, 2]
-            res["loss"] = acc.sums["loss"][0]  # Σ over micro-batches and DP×CP ranks
+            res["loss"] = acc.sums["loss"][0]  # Σ over micro-batches and DP ranks
             res["nonfinite_masked"] = acc.sums["nonfinite_masked"][0]
             metrics.update(res)
         if ess is not None:
@@ -341,8 +372,33 @@ class PolicyUpdate:
         return box[0]
 
 
+def _fuse(microbatches: List[MicroBatch], k: int) -> List[MicroBatch]:
+    """Padded micro-batches stacked ``k`` at a time for the no-grad pre-pass (fewer, larger
+    forwards). Packed micro-batches are already sized by the token budget: kept as they are;
+    so is a list whose last group would be ragged (the schedule wants uniform shapes)."""
+    if k <= 1 or "cu_seqlens" in microbatches[0]:
+        return microbatches
+    fused = [_concat(microbatches[i : i + k]) for i in range(0, len(microbatches), k)]
+    if len({tuple(mb["tokens"].shape) for mb in fused}) > 1:
+        return microbatches
+    return fused
+
+
 def _concat(mbs: List[MicroBatch]) -> MicroBatch:
-    """Micro-batches stacked along the batch dimension (same keys, same sequence length)."""
+    """Padded micro-batches stacked along the batch dimension (same sequence length); their
+    response tensors are stacked too, ``index`` shifted to the stacked grid."""
     if len(mbs) == 1:
         return mbs[0]
-    return {k: torch.cat([mb[k] for mb in mbs]) for k in mbs[0] if torch.is_tensor(mbs[0][k])}
+    out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("tokens", "targets")}
+    longest = max(mb["response"]["mask"].shape[1] for mb in mbs)
+    resp: Dict[str, torch.Tensor] = {}
+    offset = 0
+    for mb in mbs:
+        for key, v in mb["response"].items():
+            if v.dim() == 2:
+                v = torch.nn.functional.pad(v, (0, longest - v.shape[1]))
+                v = v + offset if key == "index" else v
+            resp.setdefault(key, []).append(v)
+        offset += mb["tokens"].numel()
+    out["response"] = {key: torch.cat(v) for key, v in resp.items()}
+    return out

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .advantage import group_advantages
-from .batching import samples_to_microbatches
+from .batching import MicroBatcher
 from .checkpoint import (
     latest_checkpoint,
     load_model_state,
@@ -66,6 +66,10 @@ class Trainer:
         self.update = PolicyUpdate(
             self.objective, groups, self.desc.vocab_size, cfg.loss, self.sampling.temperature
         )
+        self.batcher = MicroBatcher(
+            cfg.batch, groups, cfg.model.seq_length, self.tok.pad_token_id or 0,
+            equal_counts=self.objective.needs_ess and cfg.loss.ess_scope == "microbatch",
+        )  # fmt: skip
         d = cfg.data
         self.data = PromptData(
             d.path, self.tok, prompt_key=d.prompt_key, answer_key=d.answer_key,
@@ -182,27 +186,21 @@ class Trainer:
     def _update(self, batch: TrainBatch, adv: torch.Tensor) -> Dict:
         """Every optimizer step of this rollout batch (mini-batches × epochs); their metrics."""
         b = self.cfg.batch
-        mbs = samples_to_microbatches(
-            batch.samples,
-            adv,
-            self.cfg.model.seq_length,
-            b.micro_batch_size,
-            self.tok.pad_token_id or 0,
-        )
+        per_step, packing = self.batcher.build(batch.samples, adv)
         if self.objective.needs_old_logprobs:  # πold/πprox = the policy before these updates
-            self.update.recompute_old_logprobs(self.ddp, mbs)
-        per_step = len(mbs) // b.minibatches
+            for mbs in per_step:  # one schedule per step: its micro-batches share a shape
+                self.update.recompute_old_logprobs(self.ddp, mbs)
         steps = []
         for epoch in range(b.epochs):
             for m in range(b.minibatches):
                 zero_grads(self.ddp, self.opt)
-                metrics = self.update.run(self.ddp, mbs[m * per_step : (m + 1) * per_step])
+                metrics = self.update.run(self.ddp, per_step[m])
                 ok, gnorm, _ = self.opt.step()
                 self.sched.step(1)
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
                 metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
                 steps.append((epoch, metrics))
-        return combine_optimizer_steps(steps)
+        return {**combine_optimizer_steps(steps), **packing}
 
     def _log(self, batch: TrainBatch, metrics: Dict, seconds: Dict[str, float]) -> Dict:
         b = self.cfg.batch

@@ -11,7 +11,9 @@ from ..metrics import StepMetrics
 from .terms import LossInputs, k3, masked_log_ratio
 
 
-def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs) -> None:
+def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs, entropy: bool = True) -> None:
+    """Accumulates the mismatch metrics of ``inp``; ``entropy=False`` when the entropy was
+    already accumulated elsewhere (the trainer's ESS pre-pass)."""
     m = inp.mask.detach()
     n = m.sum()
     d = masked_log_ratio(inp.logprobs.detach().double(), inp.behavior_logprobs.detach().double(), m)
@@ -22,7 +24,7 @@ def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs) -> None:
     acc.add("k3_to_behavior", k3(inp.logprobs.detach(), inp.behavior_logprobs, m).sum(), n)
     acc.add("abs_logprob_diff", (d.abs() * m).sum(), n)
     acc.add_log_hist("ratio", d[m > 0])
-    if inp.entropy is not None:
+    if entropy and inp.entropy is not None:
         acc.add("entropy", (inp.entropy.detach() * m).sum(), n)
 
 

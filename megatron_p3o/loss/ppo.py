@@ -88,7 +88,7 @@ def clip_terms(inp: LossInputs, stats: StepStats, h: ClipConfig):
     if h.kl_coef:
         per_tok = per_tok + h.kl_coef * k3(inp.logprobs, inp.ref_logprobs, m)
     if h.aggregation == "seq_mean_token_mean":
-        return seq_mean_of_token_terms(per_tok, m, inp.lengths), metrics
+        return seq_mean_of_token_terms(per_tok, m), metrics
     return (per_tok * m).sum(), metrics
 
 

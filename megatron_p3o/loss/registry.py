@@ -36,7 +36,6 @@ class ObjectiveSpec:
     terms: Callable
     needs: Tuple[str, ...] = ()  # of: ess, ess_prox, old, ref(if coef), rewards
     per_sequence: bool = False
-    whole_sequences: bool = False  # nonlinear in a sequence's token sum: CP must not split it
     defaults: Dict[str, Any] = field(default_factory=dict)
     # the objective's own advantages (rewards [N], group ids [N], hyper) -> [N], replacing the
     # configured group baseline (OAPL regresses onto A* = r − V*); None = advantage.kind
@@ -63,12 +62,11 @@ OBJECTIVES: Dict[str, ObjectiveSpec] = {
     "mis": ObjectiveSpec(
         ClipConfig, clip_terms, needs=("old",), defaults={"mis_low": 0.5, "mis_high": 2.0}
     ),
-    "gspo": ObjectiveSpec(GSPOConfig, gspo_terms, per_sequence=True, whole_sequences=True),
+    "gspo": ObjectiveSpec(GSPOConfig, gspo_terms, per_sequence=True),
     "gspo_token": ObjectiveSpec(
         GSPOConfig,
         gspo_terms,
         per_sequence=True,
-        whole_sequences=True,
         defaults={"token_level": True},
     ),
     "cispo": ObjectiveSpec(CISPOConfig, cispo_terms),
@@ -77,7 +75,6 @@ OBJECTIVES: Dict[str, ObjectiveSpec] = {
         OAPLConfig,
         oapl_terms,
         per_sequence=True,
-        whole_sequences=True,
         advantages=_oapl_advantages,
     ),
 }

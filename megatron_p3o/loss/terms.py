@@ -27,8 +27,6 @@ class LossInputs:
         entropy: per-token entropy ``[B, T]`` of πθ, or None.
         rewards: ``[B]`` scalar rewards (OAPL), or None.
         group_ids: ``[B]`` prompt-group id of each sequence (OAPL), or None.
-        lengths: ``[B]`` valid tokens of each *whole* sequence, or None (= ``mask.sum(-1)``);
-            given under context parallelism, where a rank holds only part of each sequence.
     """
 
     logprobs: Tensor
@@ -40,7 +38,6 @@ class LossInputs:
     entropy: Optional[Tensor] = None
     rewards: Optional[Tensor] = None
     group_ids: Optional[Tensor] = None
-    lengths: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -88,18 +85,11 @@ def clip_fraction(
     return (clipped.float() * mask).sum()
 
 
-def seq_lengths(mask: Tensor, lengths: Optional[Tensor] = None) -> Tensor:
+def seq_lengths(mask: Tensor) -> Tensor:
     """Valid tokens per sequence ``[B]`` (at least 1, so empty rows divide safely)."""
-    n = mask.sum(-1) if lengths is None else lengths.to(mask.dtype)
-    return n.clamp_min(1.0)
+    return mask.sum(-1).clamp_min(1.0)
 
 
-def seq_mean_of_token_terms(
-    terms: Tensor, mask: Tensor, lengths: Optional[Tensor] = None
-) -> Tensor:
-    """Σ_i (Σ_t terms_it / |y_i|): the numerator of a sequence-mean of token-means.
-
-    Linear in the tokens, so it splits over context-parallel ranks when ``lengths`` holds the
-    whole sequences' lengths.
-    """
-    return ((terms * mask).sum(-1) / seq_lengths(mask, lengths)).sum()
+def seq_mean_of_token_terms(terms: Tensor, mask: Tensor) -> Tensor:
+    """Σ_i (Σ_t terms_it / |y_i|): the numerator of a sequence-mean of token-means."""
+    return ((terms * mask).sum(-1) / seq_lengths(mask)).sum()

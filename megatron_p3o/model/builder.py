@@ -2,7 +2,7 @@
 
 Why: one place decides the TransformerConfig (RMSNorm, SwiGLU, GQA, RoPE, QK-norm, QKV bias,
 tied embeddings), the layer spec (Transformer Engine on GPUs, the local spec on CPU, with our
-CP-capable attention when cp > 1 on CPU), and the vocabulary padding. Padded vocabulary rows exist
+packed- and CP-capable attention on CPU), and the vocabulary padding. Padded vocabulary rows exist
 only so the vocabulary splits evenly over TP; :func:`padded_vocab_size` is the one rule for them and
 the log-prob code masks them out.
 """
@@ -162,10 +162,10 @@ def build_model(
     config = transformer_config(desc, groups, opts)
     use_te = resolve_use_te(opts)
     spec = mcore_compat.layer_spec(use_te=use_te, qk_norm=desc.qk_norm)
-    if groups.layout.cp_enabled and not use_te:
-        from .cp_attention import CPAllGatherAttention
+    if not use_te:  # padded or packed, with or without CP (see local_attention)
+        from .local_attention import LocalCoreAttention
 
-        spec.submodules.self_attention.submodules.core_attention = CPAllGatherAttention
+        spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
     vocab = padded_vocab_size(desc.vocab_size, groups.layout.tp, opts.make_vocab_size_divisible_by)
     rope = desc.rope_scaling or {}
     kind = rope.get("rope_type", rope.get("type"))

@@ -5,9 +5,13 @@ module a list of micro-batches and a per-micro-batch loss function; it slices ea
 context parallelism (Megatron's own ``get_batch_on_this_cp_rank``), runs the model chunks through
 ``get_forward_backward_func`` and returns what the loss function reported on the last stage.
 
-Micro-batch contract: a dict of ``[b, s]`` tensors with at least ``tokens`` (input ids) and
-``targets`` (the next token at each position; masked positions may hold any id). All other
-``[b, s]`` entries (loss mask, behaviour log-probs, advantages…) are CP-sliced the same way.
+Micro-batch contract: a dict with at least ``tokens`` (input ids) and ``targets`` (the next token
+at each position; masked positions may hold any id), either padded ``[b, s]`` or packed
+``[1, T]`` with ``cu_seqlens`` (``[n+1]``, see :mod:`~megatron_p3o.model.packed`) and
+``position_ids`` restarting at every sequence. Every other top-level tensor shaped like
+``tokens`` is CP-sliced the same way; anything else (per-sequence values, the nested ``response``
+tensors of the policy loss) reaches the loss function untouched. Without pipeline parallelism the
+micro-batches of a step may differ in shape; with it they share one.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import Tensor
 
 from .. import mcore_compat
 from ..parallel import ParallelGroups
+from . import packed
 
 MicroBatch = Dict[str, Tensor]
 # loss_fn(batch, logits [b, s/cp, V/tp]) -> (loss scalar, token count, metrics dict)
@@ -34,32 +39,53 @@ def next_token_targets(tokens: Tensor, pad_id: int = 0) -> Tensor:
 
 
 def slice_for_cp(batch: MicroBatch, groups: ParallelGroups) -> MicroBatch:
-    """This CP rank's two load-balanced chunks of every ``[b, s]`` tensor (Megatron's split).
-
-    Per-sequence entries (``[b]``: rewards, lengths, sample indices) pass through unchanged.
-    """
+    """This CP rank's tokens of every tensor shaped like ``tokens`` (padded rows: Megatron's
+    2·cp chunk split of each row; packed: the same split of each sequence, see
+    :mod:`~megatron_p3o.model.packed`). Adds ``cp_token_index`` (``[cp, numel/cp]``, every
+    rank's positions in the flattened grid) for :func:`~megatron_p3o.model.packed.gather_tokens`.
+    Other entries (per-sequence ``[n]`` values, the nested ``response`` tensors) pass through."""
     if not groups.layout.cp_enabled:
         return batch
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    per_token = {k: v for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2}
-    sliced = get_batch_on_this_cp_rank(per_token, cp_group=groups.cp)
-    return {**batch, **sliced}
+    cp = groups.layout.cp
+    shape = tuple(batch["tokens"].shape)
+    cu = batch.get("cu_seqlens")
+    cu = cu.cpu() if cu is not None else None  # host copy: lengths decide the split
+    if cu is not None:
+        packed.check_packed(cu, shape[1], cp)
+    else:
+        groups.layout.check_sequence(shape[1])
+    index = packed.all_token_indices(shape, cu, cp).to(batch["tokens"].device)
+    out = packed.slice_tokens(batch, index[groups.cp_rank])
+    out["cp_token_index"] = index
+    return out
 
 
 def to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
     """Micro-batches are built on the host; every tensor moves to the training device right
-    before its forward (as torchtitan does), never earlier."""
+    before its forward (as torchtitan does), never earlier. Nested dicts move too."""
     return {
-        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+        k: (
+            v.to(device, non_blocking=True)
+            if torch.is_tensor(v)
+            else to_device(v, device)
+            if isinstance(v, dict)
+            else v
+        )
+        for k, v in batch.items()
     }
 
 
 def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model):
-    batch = slice_for_cp(to_device(next(data_iterator), groups.device), groups)
+    host = next(data_iterator)
+    batch = slice_for_cp(to_device(host, groups.device), groups)
     tokens = batch["tokens"]
-    position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
-    logits = model(tokens, position_ids, None)  # [b, s/cp, V/tp] on the last stage
+    params = None
+    if "cu_seqlens" in host:  # packed (THD): attention and RoPE restart at every sequence
+        params = packed.packed_seq_params(host["cu_seqlens"], groups.device)
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+    logits = model(tokens, position_ids, None, packed_seq_params=params)  # [b, s/cp, V/tp]
     return logits, partial(_call_loss, loss_fn, batch)
 
 
@@ -86,14 +112,14 @@ def forward_backward(
     if not microbatches:
         raise ValueError("forward_backward: no micro-batches")
     b, s = microbatches[0]["tokens"].shape
-    for i, mb in enumerate(microbatches):
-        if tuple(mb["tokens"].shape) != (b, s):
-            raise ValueError(
-                f"micro-batch {i}: tokens shape {tuple(mb['tokens'].shape)} != {(b, s)}; "
-                "all micro-batches of a step need the same [micro_batch_size, seq_length]"
-            )
-    groups.layout.check_sequence(s)
     lay = groups.layout
+    if lay.pp_enabled:  # the stages exchange [s/cp, b, h] activations through fixed buffers
+        for i, mb in enumerate(microbatches):
+            if tuple(mb["tokens"].shape) != (b, s):
+                raise ValueError(
+                    f"micro-batch {i}: tokens shape {tuple(mb['tokens'].shape)} != {(b, s)}; "
+                    "with pipeline parallelism all micro-batches of a step share one shape"
+                )
     fb = mcore_compat.forward_backward_func(lay.pp, lay.vpp)
     n_chunks = len(chunks)
     iters = [iter(microbatches) for _ in range(n_chunks)] if n_chunks > 1 else iter(microbatches)

@@ -7,7 +7,7 @@ Reference: ``bodies.reference`` (a TP=1 GPTModel called directly, float64 log-so
 import pytest
 import torch
 
-from megatron_p3o.model.cp_attention import cp_chunk_positions
+from megatron_p3o.model.packed import cp_chunk_positions
 from megatron_p3o.parallel import Layout
 
 from . import bodies

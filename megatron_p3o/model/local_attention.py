@@ -1,0 +1,166 @@
+"""Causal core attention for the local (non-TE) layer spec: padded or packed (THD) sequences,
+with or without context parallelism.
+
+Why: Megatron-Core's local ``DotProductAttention`` refuses context parallelism ("only supported by
+TEDotProductAttention") and packed sequences, and Transformer Engine needs a GPU. On machines
+without one this module is the attention of every local-spec model, so CP and packing are tested
+on CPU with the same Megatron model code. On GPUs TE's attention (THD, ring CP) is used instead.
+
+- Padded ``[s, b, n, d]``: causal attention per row (``scaled_dot_product_attention``).
+- Packed ``[t, n, d]`` with ``PackedSeqParams`` (``cu_seqlens``): causal attention *within*
+  each sequence, one sequence at a time, so no token attends across a sequence boundary and the
+  cost is Σ Lᵢ², not T².
+- Context parallelism (both layouts): K and V are all-gathered over the CP group and the causal
+  mask is built from each token's position within its sequence, for the 2·cp chunk split of
+  :mod:`megatron_p3o.model.packed` (rank r holds chunks r and 2cp−1−r of every sequence/row).
+  This is a correctness reference for CP, not a fast path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from .packed import cp_chunk_positions
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward sums every rank's gradient of my slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        # CP group: every rank needs every rank's K/V chunks to attend across the whole sequence.
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        # CP group: queries on every rank attended to my K/V, so my K/V gradient is their sum.
+        dist.all_reduce(grad, group=ctx.group)
+        n = grad.shape[0] // ctx.group.size()
+        r = ctx.group.rank()
+        return grad[r * n : (r + 1) * n], None
+
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, allowed: Optional[Tensor] = None
+) -> Tensor:
+    """``[B, n, sq, d]`` × ``[B, g, sk, d]`` → ``[B, n, sq, d]`` in fp32; causal when ``allowed``
+    is None (sq == sk), else the boolean ``[sq, sk]`` mask (True = may attend)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if allowed is None:
+        return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+
+
+class LocalCoreAttention(MegatronModule):
+    """Drop-in ``core_attention`` of the local spec (see the module docstring).
+
+    Shapes: padded query ``[s/cp, b, n/tp, d]``, key/value ``[s/cp, b, g/tp, d]`` →
+    ``[s/cp, b, n·d/tp]``; packed query ``[t/cp, n/tp, d]`` → ``[t/cp, n·d/tp]``.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
+            raise ValueError("LocalCoreAttention (CPU attention) needs attention_dropout=0")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"LocalCoreAttention supports causal masks only, got {attn_mask_type}")
+        self.cp_group = pg_collection.cp if pg_collection is not None else None
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def _cp(self):
+        g = self.cp_group
+        return (g.size(), g.rank()) if g is not None and g.size() > 1 else (1, 0)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("LocalCoreAttention: attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
+        return self._padded(query, key, value)
+
+    def _padded(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        cp_size, cp_rank = self._cp()
+        sq, b, nh, d = query.shape
+        q = query.permute(1, 2, 0, 3)  # [b, n, s, d]
+        if cp_size == 1:
+            out = _attend(q, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.softmax_scale)
+        else:
+            k = _AllGatherSeq.apply(key, self.cp_group)  # [s, b, g, d], rank-major chunk order
+            v = _AllGatherSeq.apply(value, self.cp_group)
+            q_pos = cp_chunk_positions(sq, cp_rank, cp_size)
+            k_pos = torch.cat([cp_chunk_positions(sq, r, cp_size) for r in range(cp_size)])
+            allowed = (k_pos[None, :] <= q_pos[:, None]).to(query.device)
+            k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+            out = _attend(q, k, v, self.softmax_scale, allowed)
+        return out.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, b, nh * d)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params) -> Tensor:
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"LocalCoreAttention: qkv_format={params.qkv_format}")
+        cu = params.cu_seqlens_q_padded
+        cu = (cu if cu is not None else params.cu_seqlens_q).tolist()
+        cp_size, cp_rank = self._cp()
+        t, nh, d = query.shape
+        if cp_size > 1:
+            key = _AllGatherSeq.apply(key, self.cp_group)  # [cp·t, g, d], rank-major
+            value = _AllGatherSeq.apply(value, self.cp_group)
+        outs = []
+        local = 0  # where this sequence's tokens start on this rank
+        for start, end in zip(cu[:-1], cu[1:]):
+            n = (end - start) // cp_size  # this sequence's tokens on every rank
+            if n == 0:
+                continue
+            q = query[local : local + n].permute(1, 0, 2)[None]  # [1, n, L/cp, d]
+            if cp_size == 1:
+                k = key[local : local + n].permute(1, 0, 2)[None]
+                v = value[local : local + n].permute(1, 0, 2)[None]
+                o = _attend(q, k, v, self.softmax_scale)
+            else:
+                rows = torch.cat(
+                    [torch.arange(r * t + local, r * t + local + n) for r in range(cp_size)]
+                ).to(key.device)
+                k = key.index_select(0, rows).permute(1, 0, 2)[None]
+                v = value.index_select(0, rows).permute(1, 0, 2)[None]
+                q_pos = cp_chunk_positions(n, cp_rank, cp_size)
+                k_pos = torch.cat([cp_chunk_positions(n, r, cp_size) for r in range(cp_size)])
+                allowed = (k_pos[None, :] <= q_pos[:, None]).to(query.device)
+                o = _attend(q, k, v, self.softmax_scale, allowed)
+            outs.append(o[0].permute(1, 0, 2).to(query.dtype))
+            local += n
+        if local != t:
+            raise ValueError(f"cu_seqlens {cu} cover {local} of this rank's {t} tokens")
+        return torch.cat(outs).reshape(t, nh * d)
