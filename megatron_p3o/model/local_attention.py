@@ -55,12 +55,14 @@ class _AllGatherSeq(torch.autograd.Function):
 def _attend(
     q: Tensor, k: Tensor, v: Tensor, scale: float, allowed: Optional[Tensor] = None
 ) -> Tensor:
-    """``[B, n, sq, d]`` × ``[B, g, sk, d]`` → ``[B, n, sq, d]`` in fp32; causal when ``allowed``
-    is None (sq == sk), else the boolean ``[sq, sk]`` mask (True = may attend)."""
+    """``[B, n, sq, d]`` × ``[B, g, sk, d]`` → ``[B, n, sq, d]`` in fp32 (float64 stays float64);
+    causal when ``allowed`` is None (sq == sk), else the boolean ``[sq, sk]`` mask (True = may
+    attend)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    qf, kf, vf = q.float(), k.float(), v.float()
+    dt = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
     if allowed is None:
         return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)

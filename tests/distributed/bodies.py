@@ -165,15 +165,16 @@ def reference_logprobs(groups, family: str, init: str, batch):
     return model, logits, lp
 
 
-def grad_errors(groups, family: str, model, compare_dirs):
-    """Relative L2 error of each saved grads dir against ``model``'s ``.grad`` (after backward)."""
-    ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+def grad_errors(groups, family: str, model, compare_dirs, dtype=torch.float32):
+    """Relative L2 error of each saved grads dir against ``model``'s ``.grad`` (after backward),
+    computed in ``dtype``."""
+    ref = {n: p.grad.detach().to(dtype) for n, p in model.named_parameters()}
     errors = {}
     for d in compare_dirs:
         (other,) = _build(family, groups)
         load_model_state([other], d)
         errors[d] = {
-            n: float((p.detach() - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+            n: float((p.detach().to(dtype) - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
             for n, p in other.named_parameters()
         }
     return ref, errors

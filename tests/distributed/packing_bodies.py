@@ -1,0 +1,163 @@
+"""Rank bodies for the sequence-packing tests.
+
+Reference: a TP=1 GPTModel run on *each sequence alone* (no padding, no packing, positions from
+0), ℓθ taken with ``torch.log_softmax`` in float64, and the objective written from the formulas
+doc in float64 (``tests/unit/test_objectives.ref_loss``) — none of the packing code is used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_p3o.batching import BatchConfig, MicroBatcher
+from megatron_p3o.checkpoint import load_model_state, save_model_state
+from megatron_p3o.loss import build_objective
+from megatron_p3o.loss.oapl import oapl_advantages
+from megatron_p3o.model.forward import forward_backward
+from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
+from megatron_p3o.policy_update import PolicyUpdate
+from megatron_p3o.types import Sample
+
+from .bodies import FAMILIES, _build, grad_errors
+
+BUDGET = 32  # tokens per packed micro-batch; also model.seq_length (the longest sample)
+N_SAMPLES = 8
+# (prompt, completion) lengths: from 1 completion token up to a sample filling the budget
+LENGTHS = [(3, 1), (5, 27), (2, 9), (4, 3), (6, 14), (3, 29), (2, 2), (4, 20)]
+
+
+def make_samples(family: str, seed: int = 5):
+    """Samples with long-tailed lengths, random ℓb near uniform, rewards in 2 groups of 4."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = FAMILIES[family]["vocab_size"]
+    out = []
+    for i, (p, c) in enumerate(LENGTHS):
+        ids = torch.randint(1, vocab, (p + c,), generator=g).tolist()
+        lb = (-math.log(vocab) + 0.5 * torch.randn(c, generator=g)).tolist()
+        s = Sample(ids[:p], ids[p:], lb, "stop", 0, group_id=i // 4)
+        s.reward = float(torch.rand((), generator=g))
+        out.append(s)
+    return out
+
+
+def advantages_for(objective: str, samples):
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    if objective == "oapl":
+        return oapl_advantages(rewards, torch.tensor([s.group_id for s in samples])).float()
+    return (rewards - rewards.mean()).float()
+
+
+def _my_share(samples, adv, groups):
+    dp, r = groups.layout.dp, groups.dp_rank
+    per = len(samples) // dp
+    return samples[r * per : (r + 1) * per], adv[r * per : (r + 1) * per]
+
+
+def packed_step(groups, family, init, out, mode="packed", objective="p3o", balance=True):
+    """One optimizer step's gradients (saved to ``out``) with packed or padded micro-batches."""
+    chunks = _build(family, groups, seq=BUDGET)
+    load_model_state(chunks, init)
+    ddp = wrap_ddp(chunks, groups, OptimConfig())
+    samples = make_samples(family)
+    mine, adv = _my_share(samples, advantages_for(objective, samples), groups)
+    if mode == "packed":
+        cfg = BatchConfig(max_tokens_per_gpu=BUDGET, balance_dp=balance)
+    else:
+        cfg = BatchConfig(micro_batch_size=2)
+    (mbs,), stats = MicroBatcher(cfg, groups, BUDGET, pad_id=0).build(mine, adv)
+    step = PolicyUpdate(build_objective(objective), groups, FAMILIES[family]["vocab_size"])
+    zero_grads(ddp)
+    metrics = step.run(ddp, mbs)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.copy_(p.main_grad)
+    save_model_state(chunks, out)
+    shapes = [tuple(mb["tokens"].shape) for mb in mbs]
+    return {"metrics": metrics, "stats": stats, "shapes": shapes}
+
+
+def reference(groups, family, init, compare_dirs=(), objective="p3o"):
+    """float64 loss of the whole step from per-sequence forwards; grads vs ``compare_dirs``."""
+    from tests.unit.test_objectives import ref_loss
+
+    (model,) = _build(family, groups, seq=BUDGET)
+    load_model_state([model], init)
+    model.double()  # the whole reference forward in float64
+    vocab = FAMILIES[family]["vocab_size"]
+    samples = make_samples(family)
+    n, longest = len(samples), max(len(s.completion_ids) for s in samples)
+    lp = torch.zeros(n, longest, dtype=torch.float64)
+    lb = torch.zeros(n, longest, dtype=torch.float64)
+    mask = torch.zeros(n, longest, dtype=torch.float64)
+    rows = []
+    for i, s in enumerate(samples):
+        ids = torch.tensor(s.prompt_ids + s.completion_ids)[None]
+        logits = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :vocab]
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        logp = torch.log_softmax(logits.double(), -1)[p - 1 : p - 1 + c]
+        rows.append(logp.gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0])
+        lb[i, :c] = torch.tensor(s.logprobs, dtype=torch.float64)
+        mask[i, :c] = 1.0
+    lp = torch.stack([torch.nn.functional.pad(r, (0, longest - r.numel())) for r in rows])
+    adv = advantages_for(objective, samples).double()
+    x = dict(
+        lp=lp, lb=lb, lold=lb, lref=None, mask=mask, adv=adv,
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
+        groups=torch.tensor([s.group_id for s in samples]),
+    )  # fmt: skip
+    loss = ref_loss(objective, x)
+    loss.backward()
+    _, errors = grad_errors(groups, family, model, compare_dirs, dtype=torch.float64)
+    d = torch.where(mask > 0, lp.detach() - lb, torch.zeros_like(lb))
+    rho = torch.exp(d) * mask
+    ess = float(rho.sum() ** 2 / (mask.sum() * (rho * rho).sum()))
+    return {"loss": float(loss), "ess": ess, "errors": errors}
+
+
+def packed_logits(groups, family, init, perturb: int = -1):
+    """Logits of one packed micro-batch of three sequences (forward only), this rank's tokens,
+    with sequence ``perturb``'s tokens changed; also which sequence each local token is in."""
+    from megatron_p3o.batching import packed_microbatch
+    from megatron_p3o.model.packed import token_index
+
+    chunks = _build(family, groups, seq=BUDGET)
+    load_model_state(chunks, init)
+    samples = make_samples(family)[1:4]
+    if perturb >= 0:
+        s = samples[perturb]
+        s.completion_ids = [(t * 7 + 3) % 250 + 1 for t in s.completion_ids]
+        s.prompt_ids = [(t * 5 + 1) % 250 + 1 for t in s.prompt_ids]
+    align = 2 * groups.layout.cp if groups.layout.cp > 1 else 1
+    mb = packed_microbatch(samples, [0.0] * 3, [0, 1, 2], BUDGET, 0, align, align)
+    seq_of = torch.zeros(mb["tokens"].shape[1], dtype=torch.long)
+    cu = mb["cu_seqlens"].tolist()
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        seq_of[a:b] = i
+    mine = token_index(
+        tuple(mb["tokens"].shape), mb["cu_seqlens"], groups.cp_rank, groups.layout.cp
+    )
+    got = []
+
+    def loss_fn(batch, logits):
+        got.append(logits.detach().clone())
+        return logits.sum() * 0, 0, {}
+
+    with torch.no_grad():
+        forward_backward(chunks, groups, [mb], loss_fn, forward_only=True)
+    return {"logits": got[0][0] if got else None, "seq_of": seq_of[mine]}
+
+
+def dir_errors(groups, family, a: str, b: str):
+    """Relative L2 difference (float64) of every tensor saved in ``a`` against ``b``."""
+    (ma,) = _build(family, groups, seq=BUDGET)
+    (mb,) = _build(family, groups, seq=BUDGET)
+    load_model_state([ma], a)
+    load_model_state([mb], b)
+    pb_ = dict(mb.named_parameters())
+    return {
+        n: float((p.double() - pb_[n].double()).norm() / pb_[n].double().norm().clamp_min(1e-30))
+        for n, p in ma.named_parameters()
+    }

@@ -1,0 +1,107 @@
+"""Packed (THD) micro-batches: the same loss, e_B and gradients as padded ones and as a float64
+per-sequence reference, in every layout; no token sees another sequence."""
+
+import pytest
+import torch
+
+from megatron_p3o.parallel import Layout
+
+from . import packing_bodies as pb
+
+LAYOUTS = [Layout(tp=2), Layout(pp=2), Layout(cp=2), Layout(dp=2)]
+# packed against padded, both fp32 on CPU: the same sums in another order (measured ≤ 2e-7)
+REL = 1e-6
+# fp32 against the float64 reference: fp32's own rounding, measured 0.6–1.0e-6 per tensor for
+# the padded path as much as for the packed one (the norm weights' gradients cancel most)
+REL_F64 = 2e-6
+
+
+def _ids(x):
+    return f"tp{x.tp}pp{x.pp}cp{x.cp}dp{x.dp or 1}" if isinstance(x, Layout) else str(x)
+
+
+def _run(pools, layout, init, out, **kw):
+    return pools(2).run(pb.packed_step, layout, family="llama", init=init, out=out, **kw)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+def test_packed_equals_padded_and_float64_reference(pools, tmp_path, init_ckpts, layout):
+    init = init_ckpts("llama")
+    packed, padded = str(tmp_path / "packed"), str(tmp_path / "padded")
+    res_p = _run(pools, layout, init, packed, mode="packed")
+    res_d = _run(pools, layout, init, padded, mode="padded")
+    ref = pools(2).run(
+        pb.reference, Layout(), family="llama", init=init, compare_dirs=[packed, padded]
+    )[0]
+    for res in (res_p, res_d):
+        m = [r["metrics"] for r in res]
+        assert all(abs(x["ess"] - ref["ess"]) < REL for x in m), ([x["ess"] for x in m], ref)
+        losses = [x["loss"] for x in m if "loss" in x]
+        assert losses and all(abs(x - ref["loss"]) <= REL * abs(ref["loss"]) for x in losses), (
+            losses,
+            ref["loss"],
+        )
+    lp_, ld_ = res_p[0]["metrics"], res_d[0]["metrics"]
+    assert abs(lp_["loss"] - ld_["loss"]) <= REL * abs(ld_["loss"])
+    assert abs(lp_["ess"] - ld_["ess"]) <= REL
+    direct = pools(2).run(pb.dir_errors, Layout(), family="llama", a=packed, b=padded)[0]
+    bad = {n: e for n, e in direct.items() if not e < REL}
+    assert not bad, f"{layout}: packed and padded gradients differ: {bad}"
+    for d in (packed, padded):
+        bad = {n: e for n, e in ref["errors"][d].items() if not e < REL_F64}
+        assert not bad, f"{layout} {d}: gradients differ from the float64 reference: {bad}"
+    # the packed micro-batches really are packed: one row, fewer tokens than padding
+    shapes = res_p[0]["shapes"]
+    assert all(s[0] == 1 and s[1] <= pb.BUDGET for s in shapes), shapes
+    assert res_p[0]["stats"]["pad_fraction"] < res_d[0]["stats"]["pad_fraction"]
+    if layout.pp > 1:  # the pipeline exchanges one activation shape per step
+        assert len(set(shapes)) == 1, shapes
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("objective", ["gspo", "oapl"])
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_whole_sequence_objectives_at_cp2(pools, tmp_path, init_ckpts, objective, mode):
+    """GSPO and OAPL are nonlinear in each sequence's sum: CP must not split that sum."""
+    init = init_ckpts("llama")
+    out = str(tmp_path / "g")
+    res = _run(pools, Layout(cp=2), init, out, mode=mode, objective=objective)
+    ref = pools(2).run(
+        pb.reference, Layout(), family="llama", init=init, compare_dirs=[out], objective=objective
+    )[0]
+    losses = [r["metrics"]["loss"] for r in res]
+    assert all(abs(x - ref["loss"]) <= REL * abs(ref["loss"]) + 1e-9 for x in losses), (
+        losses,
+        ref["loss"],
+    )
+    bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+    assert not bad, f"{objective} cp=2 {mode}: gradients differ: {bad}"
+
+
+@pytest.mark.distributed
+def test_dp_balancing_evens_tokens_and_keeps_every_sample(pools, tmp_path, init_ckpts):
+    init = init_ckpts("llama")
+    res = _run(pools, Layout(dp=2), init, str(tmp_path / "b"), mode="packed")
+    st = res[0]["stats"]
+    # rank 0 rolled out samples 0-3 (54 tokens), rank 1 samples 4-7 (80 tokens): 80/67 − 1
+    assert abs(st["dp_token_imbalance_before"] - (80 / 67 - 1)) < 1e-9, st
+    assert st["dp_token_imbalance"] < 0.05, st
+    assert all(r["stats"] == st for r in res)  # every rank reports the same step numbers
+    unbalanced = _run(pools, Layout(dp=2), init, str(tmp_path / "u"), mode="packed", balance=False)
+    assert abs(unbalanced[0]["stats"]["dp_token_imbalance"] - (80 / 67 - 1)) < 1e-9
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [1, 2])
+def test_no_attention_across_packed_sequences(pools, init_ckpts, cp):
+    """Changing sequence 1's tokens leaves sequences 0 and 2 bitwise unchanged."""
+    init = init_ckpts("llama")
+    lay = Layout(cp=cp)
+    base = pools(2).run(pb.packed_logits, lay, family="llama", init=init)
+    moved = pools(2).run(pb.packed_logits, lay, family="llama", init=init, perturb=1)
+    for a, b in zip(base, moved):
+        others = a["seq_of"] != 1
+        assert others.sum() > 0 and (~others).sum() > 0
+        assert torch.equal(a["logits"][others], b["logits"][others])
+        assert not torch.equal(a["logits"][~others], b["logits"][~others])
