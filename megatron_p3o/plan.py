@@ -12,8 +12,11 @@ Memory model (per GPU, the most loaded pipeline stage; an estimate, not a measur
     by DP×CP with the distributed optimizer;
   * activations (Korthikanti et al. 2022, flash attention so no s² term, no recomputation): per
     layer and micro-batch ≈ s·b·h·(10 + 24/t) bytes, or 34·s·b·h/t with sequence parallelism,
-    with s the sequence length ÷ CP; 1F1B keeps min(PP, micro-batches) micro-batches alive on the
-    first stage; plus the fp32 logits of one micro-batch (s·b·V/t·4) on the last stage.
+    with s·b the tokens of one micro-batch ÷ CP — ``batch.max_tokens_per_gpu`` when packing
+    (a sample longer than the budget gets its own micro-batch: the larger of the budget and
+    ``model.seq_length``), else micro_batch_size × seq_length; 1F1B keeps min(PP, micro-batches)
+    micro-batches alive on the first stage; plus the fp32 logits of one micro-batch (s·b·V/t·4)
+    on the last stage.
 Rollout-engine memory (SGLang, colocated) is not included.
 """
 
@@ -120,9 +123,14 @@ def make_plan(
     if o.distributed_optimizer:
         opt /= dp * cp
     seqs = cfg.batch.prompts_per_rollout * cfg.rollout.n_samples // cfg.batch.minibatches
-    micro = seqs // (dp * cfg.batch.micro_batch_size)
-    s = cfg.model.seq_length // cp
-    b = cfg.batch.micro_batch_size
+    budget = cfg.batch.max_tokens_per_gpu
+    if budget is None:  # padded: micro_batch_size rows of seq_length
+        micro = seqs // (dp * cfg.batch.micro_batch_size)
+        s, b = cfg.model.seq_length // cp, cfg.batch.micro_batch_size
+    else:  # packed: one row of at most the token budget (the count depends on the lengths,
+        # at most one micro-batch per sequence; 1F1B then keeps pp of them alive)
+        micro = max(pp, 1)
+        s, b = max(budget, cfg.model.seq_length) // cp, 1
     per_layer = s * b * h * ((34 / tp) if p.sequence_parallel else (10 + 24 / tp))
     act = per_layer * per_stage * min(pp, micro)
     logits = s * b * vpad / tp * 4

@@ -55,10 +55,18 @@ def test_dry_run_names_the_problem(capsys, monkeypatch):
     sets = ["--set", "parallel.tp=3", "--set", "parallel.world_size=6"]
     assert _cli(monkeypatch, r, "--dry-run", *sets) == 2
     assert "num_attention_heads=32 is not divisible by tp=3" in capsys.readouterr().err
-    assert _cli(monkeypatch, r, "--dry-run", "--set", "batch.micro_batch_size=3") == 2
+    padded = ["--set", "batch.max_tokens_per_gpu=null", "--set", "batch.micro_batch_size=3"]
+    assert _cli(monkeypatch, r, "--dry-run", *padded) == 2
     err = capsys.readouterr().err
     assert "not a multiple of dp × micro_batch_size = 2 × 3 = 6" in err
     assert err.count("\n") == 1 and err.startswith("megatron_p3o.train: error: ")
+    # packed micro-batches: the step's sequences only need to split over the DP ranks
+    packed = ["--set", "batch.prompts_per_rollout=3", "--set", "rollout.n_samples=4"]
+    assert _cli(monkeypatch, r, "--dry-run", *packed) == 2
+    err = capsys.readouterr().err
+    assert "3 sequences per optimizer step are not a multiple of dp = 2" in err
+    assert _cli(monkeypatch, r, "--dry-run", "--set", "batch.max_tokens_per_gpu=0") == 2
+    assert "batch.max_tokens_per_gpu=0 must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "tiny-llama"])
