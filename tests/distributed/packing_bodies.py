@@ -17,7 +17,7 @@ from megatron_p3o.loss import build_objective
 from megatron_p3o.loss.oapl import oapl_advantages
 from megatron_p3o.model.forward import forward_backward
 from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
-from megatron_p3o.policy_update import PolicyUpdate
+from megatron_p3o.policy_update import LossConfig, PolicyUpdate
 from megatron_p3o.types import Sample
 
 from .bodies import FAMILIES, _build, grad_errors
@@ -55,7 +55,9 @@ def _my_share(samples, adv, groups):
     return samples[r * per : (r + 1) * per], adv[r * per : (r + 1) * per]
 
 
-def packed_step(groups, family, init, out, mode="packed", objective="p3o", balance=True):
+def packed_step(
+    groups, family, init, out, mode="packed", objective="p3o", balance=True, scope="step"
+):
     """One optimizer step's gradients (saved to ``out``) with packed or padded micro-batches."""
     chunks = _build(family, groups, seq=BUDGET)
     load_model_state(chunks, init)
@@ -66,8 +68,14 @@ def packed_step(groups, family, init, out, mode="packed", objective="p3o", balan
         cfg = BatchConfig(max_tokens_per_gpu=BUDGET, balance_dp=balance)
     else:
         cfg = BatchConfig(micro_batch_size=2)
-    (mbs,), stats = MicroBatcher(cfg, groups, BUDGET, pad_id=0).build(mine, adv)
-    step = PolicyUpdate(build_objective(objective), groups, FAMILIES[family]["vocab_size"])
+    equal = scope == "microbatch"
+    (mbs,), stats = MicroBatcher(cfg, groups, BUDGET, 0, equal_counts=equal).build(mine, adv)
+    step = PolicyUpdate(
+        build_objective(objective),
+        groups,
+        FAMILIES[family]["vocab_size"],
+        LossConfig(ess_scope=scope),
+    )
     zero_grads(ddp)
     metrics = step.run(ddp, mbs)
     with torch.no_grad():
