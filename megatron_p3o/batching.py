@@ -79,23 +79,23 @@ def _response(
     """The ``[n, L]`` loss-side tensors of sequences starting at flattened ``starts``."""
     n = len(samples)
     longest = max([len(s.completion_ids) for s in samples] + [1])
-    mask = torch.zeros(n, longest)
-    blp = torch.zeros(n, longest)
-    adv = torch.zeros(n, longest)
-    index = torch.zeros(n, longest, dtype=torch.long)
+    mask = torch.zeros(n, longest)  # host
+    blp = torch.zeros(n, longest)  # host
+    adv = torch.zeros(n, longest)  # host
+    index = torch.zeros(n, longest, dtype=torch.long)  # host
     for i, (s, a, start) in enumerate(zip(samples, advantages, starts)):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         if c:
             mask[i, :c] = 1.0
-            blp[i, :c] = torch.tensor(s.logprobs)
+            blp[i, :c] = torch.tensor(s.logprobs)  # host
             adv[i, :c] = float(a)
-            index[i, :c] = torch.arange(start + p - 1, start + p - 1 + c)
+            index[i, :c] = torch.arange(start + p - 1, start + p - 1 + c)  # host
     return {
         "mask": mask,
         "behavior_logprobs": blp,
         "advantages": adv,
         "index": index,
-        "sample_index": torch.as_tensor(list(ids), dtype=torch.long),
+        "sample_index": torch.as_tensor(list(ids), dtype=torch.long),  # host
     }
 
 
@@ -116,10 +116,10 @@ def padded_microbatches(
     out = []
     for k in range(0, len(samples), micro_batch_size):
         part = samples[k : k + micro_batch_size]
-        tokens = torch.full((len(part), seq_length), pad_id, dtype=torch.long)
+        tokens = torch.full((len(part), seq_length), pad_id, dtype=torch.long)  # host
         targets = torch.full_like(tokens, pad_id)
         for i, s in enumerate(part):
-            seq = torch.tensor(_sequence(s, seq_length, first_index + k + i))
+            seq = torch.tensor(_sequence(s, seq_length, first_index + k + i))  # host
             tokens[i, : len(seq)] = seq
             targets[i, : len(seq) - 1] = seq[1:]
         ids = range(first_index + k, first_index + k + len(part))
@@ -153,22 +153,22 @@ def packed_microbatch(
     if target > total:
         lens.append(target - total)
         seqs.append([])
-    tokens = torch.full((1, target), pad_id, dtype=torch.long)
+    tokens = torch.full((1, target), pad_id, dtype=torch.long)  # host
     targets = torch.full_like(tokens, pad_id)
     position_ids = torch.zeros_like(tokens)
     starts = [0]
     for q, n in zip(seqs, lens):
         a = starts[-1]
         if q:
-            tokens[0, a : a + len(q)] = torch.tensor(q)
-            targets[0, a : a + len(q) - 1] = torch.tensor(q[1:])
-        position_ids[0, a : a + n] = torch.arange(n)
+            tokens[0, a : a + len(q)] = torch.tensor(q)  # host
+            targets[0, a : a + len(q) - 1] = torch.tensor(q[1:])  # host
+        position_ids[0, a : a + n] = torch.arange(n)  # host
         starts.append(a + n)
     return {
         "tokens": tokens,
         "targets": targets,
         "position_ids": position_ids,
-        "cu_seqlens": torch.tensor(starts, dtype=torch.int32),
+        "cu_seqlens": torch.tensor(starts, dtype=torch.int32),  # host
         "response": _response(samples, advantages, starts[: len(samples)], ids),
     }
 
@@ -180,7 +180,7 @@ def nest_response(mb: MicroBatch) -> MicroBatch:
     if "response" in mb:
         return mb
     b, s = mb["tokens"].shape
-    resp = {"mask": mb.pop("loss_mask").float(), "index": torch.arange(b * s).reshape(b, s)}
+    resp = {"mask": mb.pop("loss_mask").float(), "index": torch.arange(b * s).reshape(b, s)}  # host
     for k in RESPONSE_KEYS + ("sample_index",):
         if k in mb:
             resp[k] = mb.pop(k)
@@ -288,7 +288,7 @@ class MicroBatcher:
             [sum(s.get(k, 0.0) for s in stats) for k in keys], dtype=torch.float64, device=dev
         )
         per_rank = torch.zeros(n_steps, dp, dtype=torch.float64, device=dev)
-        per_rank[:, self.groups.dp_rank] = torch.tensor([s["real"] for s in stats])
+        per_rank[:, self.groups.dp_rank] = torch.tensor([s["real"] for s in stats])  # host
         m = torch.tensor([max(s["max_tokens"] for s in stats)], dtype=torch.float64, device=dev)
         if self.groups.layout.dp_enabled:
             # DP group: the step's padding, micro-batch shapes and token loads over every

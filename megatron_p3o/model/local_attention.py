@@ -153,7 +153,7 @@ class LocalCoreAttention(MegatronModule):
                 o = _attend(q, k, v, self.softmax_scale)
             else:
                 rows = torch.cat(
-                    [torch.arange(r * t + local, r * t + local + n) for r in range(cp_size)]
+                    [torch.arange(r * t + local, r * t + local + n) for r in range(cp_size)]  # host
                 ).to(key.device)
                 k = key.index_select(0, rows).permute(1, 0, 2)[None]
                 v = value.index_select(0, rows).permute(1, 0, 2)[None]

@@ -27,8 +27,8 @@ def cp_chunk_positions(local_len: int, cp_rank: int, cp_size: int) -> Tensor:
     """Positions ``[local_len]`` within one sequence that CP rank ``cp_rank`` holds (chunks r and
     2cp−1−r, each ``local_len / 2`` long)."""
     c = local_len // 2
-    first = torch.arange(cp_rank * c, (cp_rank + 1) * c)
-    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)
+    first = torch.arange(cp_rank * c, (cp_rank + 1) * c)  # host
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)  # host
     return torch.cat([first, second])
 
 
@@ -41,16 +41,16 @@ def token_index(shape, cu_seqlens: Optional[Tensor], cp_rank: int, cp_size: int)
     """
     b, s = shape
     if cp_size == 1:
-        return torch.arange(b * s)
+        return torch.arange(b * s)  # host
     if cu_seqlens is None:
         pos = cp_chunk_positions(s // cp_size, cp_rank, cp_size)
-        return (torch.arange(b)[:, None] * s + pos[None]).reshape(-1)
+        return (torch.arange(b)[:, None] * s + pos[None]).reshape(-1)  # host
     starts = cu_seqlens.tolist()
     parts = [
         start + cp_chunk_positions((end - start) // cp_size, cp_rank, cp_size)
         for start, end in zip(starts[:-1], starts[1:])
     ]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)  # host
 
 
 def all_token_indices(shape, cu_seqlens: Optional[Tensor], cp_size: int) -> Tensor:

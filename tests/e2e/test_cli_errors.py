@@ -55,7 +55,12 @@ TRAIN = "megatron_p3o.train"
         ("bad choice", ["rollout.precision=fp9"], ["rollout.precision", "fp9"]),
         ("unknown objective", ["loss.objective=p30"], ["p30"]),
         ("impossible layout", ["parallel.tp=3"], ["tp×pp×cp = 3×1×1"]),
-        ("batch arithmetic", ["batch.micro_batch_size=7"], ["micro_batch_size", "7"]),
+        (
+            "batch arithmetic",
+            ["batch.max_tokens_per_gpu=null", "batch.micro_batch_size=7"],
+            ["micro_batch_size", "7"],
+        ),
+        ("token budget", ["batch.max_tokens_per_gpu=0"], ["batch.max_tokens_per_gpu=0", ">= 1"]),
     ],
 )
 def test_train_config_errors(tmp_path, case, sets, needles):

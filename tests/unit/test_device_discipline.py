@@ -21,6 +21,10 @@ DEVICE_BOUND = [
     "megatron_p3o/metrics.py",
     "megatron_p3o/trainer.py",
     "megatron_p3o/model/forward.py",
+    "megatron_p3o/model/packed.py",
+    "megatron_p3o/model/local_attention.py",
+    "megatron_p3o/balance.py",
+    "megatron_p3o/batching.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/loss").glob("*.py")),
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/weight_sync").glob("*.py")),
 ]
