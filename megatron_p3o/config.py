@@ -99,6 +99,18 @@ class TrainConfig:
                 raise ConfigError(f"{path}={v} must be >= {lo}")
         if self.rollout.logprob_noise < 0:
             raise ConfigError(f"rollout.logprob_noise={self.rollout.logprob_noise} must be >= 0")
+        if self.rollout.logit_noise < 0:
+            raise ConfigError(f"rollout.logit_noise={self.rollout.logit_noise} must be >= 0")
+        if self.rollout.fp8_kv_cache and not self.rollout.precision.startswith("fp8"):
+            raise ConfigError(
+                f"rollout.fp8_kv_cache needs an fp8 rollout.precision, got "
+                f"{self.rollout.precision!r}"
+            )
+        if self.rollout.logit_noise and self.rollout.engine != "embedded":
+            raise ConfigError(
+                "rollout.logit_noise perturbs the embedded engine's logits; SGLang has no such "
+                "knob (use rollout.engine=embedded)"
+            )
         if self.rollout.engine_temperature is not None and not self.rollout.engine_temperature > 0:
             raise ConfigError(
                 f"rollout.engine_temperature={self.rollout.engine_temperature} must be > 0"

@@ -92,6 +92,12 @@ class StepMetrics:
                 at = torch.tensor(q / 100.0, dtype=torch.float64, device=cdf.device)
                 i = int(torch.searchsorted(cdf, at))
                 out[f"{n}_p{q}"] = math.exp(-LOG_HIST_RANGE + (i + 0.5) * width)
+            # |log value| quantile: the histogram folded at 0 (bins are symmetric around it)
+            half = LOG_HIST_BINS // 2
+            folded = torch.cumsum(h[half:] + torch.flip(h[:half], [0]), 0) / total
+            at = torch.tensor(0.99, dtype=torch.float64, device=cdf.device)
+            i = int(torch.searchsorted(folded, at))
+            out[f"abs_log_{n}_p99"] = (i + 1) * width  # upper edge of the bin
         return out
 
     def coarse_hist(self, name: str, half_range: float = 2.0, bins: int = 40) -> list:
@@ -127,32 +133,53 @@ class PhaseTimer:
 
 # summed over the optimizer steps of a rollout batch, not averaged
 _STEP_SUMS = ("skipped_steps", "nonfinite_masked")
+# kept for every optimizer step (``per_step`` of the rollout batch's record)
+PER_STEP_KEYS = (
+    "ess",
+    "ratio_ess",
+    "k3_to_behavior",
+    "kl_behavior_theta",
+    "abs_logprob_diff",
+    "abs_log_ratio_p99",
+    "clip_frac",
+    "seq_clip_frac",
+    "is_capped_frac",
+    "frac_rho_above_ess",
+    "mis_masked_frac",
+    "loss",
+    "grad_norm",
+)
 
 
-def combine_optimizer_steps(steps: List[Tuple[int, Dict]]) -> Dict:
+def combine_optimizer_steps(steps: List[Tuple[int, int, Dict]]) -> Dict:
     """The metrics of every optimizer step of one rollout batch, as one record.
 
-    ``steps``: ``(epoch, metrics)`` per optimizer step, in order. One step: its metrics as they
-    are. Several (``batch.minibatches``/``epochs`` > 1): scalars are averaged over the steps
-    (``skipped_steps`` and ``nonfinite_masked`` summed), histograms summed, and the ESS of every
-    step kept: ``ess_steps`` (list), ``ess_epoch{e}`` (mean per epoch), ``ess_min``.
+    ``steps``: ``(epoch, minibatch, metrics)`` per optimizer step, in order. Scalars are averaged
+    over the steps (``skipped_steps`` and ``nonfinite_masked`` summed), histograms summed, and
+    ``per_step`` lists every step's epoch, mini-batch and :data:`PER_STEP_KEYS` (e_B, k3 to πb,
+    clip/cap fractions …), so reuse and staleness show step by step. Also ``ess_steps``,
+    ``ess_epoch{e}`` (mean per epoch) and ``ess_min``.
     """
+    per_step = [
+        {"epoch": e, "minibatch": mb, **{k: m[k] for k in PER_STEP_KEYS if k in m}}
+        for e, mb, m in steps
+    ]
     if len(steps) == 1:
-        return dict(steps[0][1])
-    out: Dict = {"opt_steps": float(len(steps))}
-    keys = [k for k in steps[0][1] if all(k in m for _, m in steps)]
+        return {**steps[0][2], "per_step": per_step}
+    out: Dict = {"opt_steps": float(len(steps)), "per_step": per_step}
+    keys = [k for k in steps[0][2] if all(k in m for _, _, m in steps)]
     for k in keys:
-        vals = [m[k] for _, m in steps]
+        vals = [m[k] for _, _, m in steps]
         if isinstance(vals[0], (int, float)):
             finite = [float(v) for v in vals]
             out[k] = sum(finite) if k in _STEP_SUMS else sum(finite) / len(finite)
         elif isinstance(vals[0], list):
             out[k] = [sum(x) for x in zip(*vals)]
-    if all("ess" in m for _, m in steps):
-        ess = [float(m["ess"]) for _, m in steps]
+    if all("ess" in m for _, _, m in steps):
+        ess = [float(m["ess"]) for _, _, m in steps]
         out["ess_steps"] = ess
         out["ess_min"] = min(ess)
-        for e in sorted({e for e, _ in steps}):
-            mine = [float(m["ess"]) for ep, m in steps if ep == e]
+        for e in sorted({e for e, _, _ in steps}):
+            mine = [float(m["ess"]) for ep, _, m in steps if ep == e]
             out[f"ess_epoch{e}"] = sum(mine) / len(mine)
     return out

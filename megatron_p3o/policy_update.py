@@ -73,6 +73,9 @@ class LossConfig:
     log_entropy: compute the policy entropy for metrics (one more reduction).
     prepass_fuse: micro-batches concatenated into one no-grad forward of the ESS pre-pass
         (fewer, larger forwards; costs k micro-batches' logits at once, no activations).
+    old_logprobs: for the objectives that clip a ratio to πold (PPO, GRPO, DAPO, GSPO, CISPO):
+        "recompute" ℓold with the weights before the rollout batch's first update (standard
+        semantics) or use the engine's ℓb ("behaviour", the bypass).
     """
 
     objective: str = "p3o"
@@ -82,6 +85,7 @@ class LossConfig:
     logprob_chunk: Optional[int] = None
     log_entropy: bool = True
     prepass_fuse: int = 4
+    old_logprobs: Literal["recompute", "behaviour"] = "recompute"
 
     def __post_init__(self):
         if self.prepass_fuse < 1:

@@ -43,10 +43,11 @@ def main(argv=None) -> int:
     con = Console(quiet=groups.rank != 0, soft_wrap=True)  # paths are printed whole, never wrapped
     con.print(f"layout {groups.layout}; {cfg.batch_arithmetic(groups.layout.dp)}")
     r = cfg.rollout
-    if r.logprob_noise or r.engine_temperature is not None:
+    if r.logprob_noise or r.logit_noise or r.engine_temperature is not None:
         con.print(
-            f"[yellow]stress injection on: logprob_noise={r.logprob_noise}, engine T="
-            f"{r.engine_temperature} (trainer T={r.sampling.temperature}): ℓb is wrong"
+            f"[yellow]stress injection on: logprob_noise={r.logprob_noise}, logit_noise="
+            f"{r.logit_noise}, engine T={r.engine_temperature} (trainer T="
+            f"{r.sampling.temperature})"
         )
     trainer = Trainer(cfg, groups)
     try:

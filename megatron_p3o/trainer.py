@@ -42,6 +42,8 @@ from .rollout.prompts import PromptData, all_rows, remap_states
 from .types import SamplingParams, TrainBatch
 from .weight_sync.source import TrainerWeights
 
+_PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups):
@@ -187,7 +189,7 @@ class Trainer:
         """Every optimizer step of this rollout batch (mini-batches × epochs); their metrics."""
         b = self.cfg.batch
         per_step, packing = self.batcher.build(batch.samples, adv)
-        if self.objective.needs_old_logprobs:  # πold/πprox = the policy before these updates
+        if self.objective.recomputes_old(self.cfg.loss.old_logprobs):  # πold before the updates
             for mbs in per_step:  # one schedule per step: its micro-batches share a shape
                 self.update.recompute_old_logprobs(self.ddp, mbs)
         steps = []
@@ -199,7 +201,7 @@ class Trainer:
                 self.sched.step(1)
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
                 metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
-                steps.append((epoch, metrics))
+                steps.append((epoch, m, metrics))
         return {**combine_optimizer_steps(steps), **packing}
 
     def _log(self, batch: TrainBatch, metrics: Dict, seconds: Dict[str, float]) -> Dict:
@@ -263,10 +265,15 @@ class Trainer:
     # -- evaluation, checkpoints, teardown ------------------------------------------------------
     def evaluate(self, path: str, limit: int = 0) -> float:
         """Greedy (top-1) accuracy on a held-out file with the current weights (all ranks)."""
+        return self.evaluate_detail(path, limit)[0]
+
+    def evaluate_detail(self, path: str, limit: int = 0):
+        """``(accuracy, per-prompt correctness)``: greedy, in ``data.eval_precision``; the list
+        (on every rank) is in file order, for paired comparisons across runs."""
         d = self.cfg.data
         rows = all_rows(path, self.tok, d.prompt_key, d.answer_key)
         rows = rows[:limit] if limit else rows
-        rows = rows[self.groups.dp_rank :: self.groups.layout.dp]
+        mine = list(range(self.groups.dp_rank, len(rows), self.groups.layout.dp))
         sp = SamplingParams(
             temperature=1.0,
             top_k=1,
@@ -274,20 +281,22 @@ class Trainer:
             stop_token_ids=self.sampling.stop_token_ids,
             seed=0,
         )
-        samples = self.rollout.evaluate([r[0] for r in rows], sp, self.step_idx)
-        correct = sum(
-            float(self.reward_fn(self._decode(s.completion_ids), rows[s.group_id][1]))
-            for s in samples
-        )
-        t = torch.tensor([correct, len(rows)], dtype=torch.float64, device=self.groups.device)
+        precision = None
+        if d.eval_precision == "trainer":
+            precision = _PRECISION_OF[self.cfg.model.params_dtype]
+        samples = self.rollout.evaluate([rows[i][0] for i in mine], sp, self.step_idx, precision)
+        score = torch.zeros(len(rows), dtype=torch.float64, device=self.groups.device)
+        for i, s in zip(mine, samples):
+            score[i] = float(self.reward_fn(self._decode(s.completion_ids), rows[i][1]))
         if self.groups.layout.dp_enabled:
             # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
-            dist.all_reduce(t, group=self.groups.dp)
-        acc = float(t[0] / t[1])
+            dist.all_reduce(score, group=self.groups.dp)
+        per_prompt = score.tolist()
+        acc = sum(per_prompt) / max(len(per_prompt), 1)
         if self.tb is not None:
             self.tb.add_scalar("eval/heldout_accuracy", acc, self.step_idx)
             self.tb.flush()
-        return acc
+        return acc, per_prompt
 
     def save_checkpoint(self) -> Path:
         """Model, optimizer, scheduler, RNG, step, and per DP rank: the data cursor of the next

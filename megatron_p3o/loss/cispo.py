@@ -1,6 +1,7 @@
 """CISPO: clipped importance-sampling weights, never clipped gradients.
 
-loss_t = −sg(clip(ρ, 1−ε_low, 1+ε_high)) · A_t · ℓθ_t,  ρ = exp(ℓθ − ℓb); token-mean.
+loss_t = −sg(clip(r, 1−ε_low, 1+ε_high)) · A_t · ℓθ_t,  r = exp(ℓθ − ℓold) with ℓold recomputed
+(``loss.old_logprobs: recompute``, the default) or ℓb (``behaviour``, bypass); token-mean.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class CISPOConfig:
 
 def cispo_terms(inp: LossInputs, stats: StepStats, h: CISPOConfig):
     m = inp.mask
-    rho = torch.exp(masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m)).detach()
+    old = inp.old_logprobs if inp.old_logprobs is not None else inp.behavior_logprobs
+    rho = torch.exp(masked_log_ratio(inp.logprobs, old, m)).detach()
     w = torch.clamp(rho, min=None if h.eps_low is None else 1.0 - h.eps_low, max=1.0 + h.eps_high)
     n_cap = ((rho > 1.0 + h.eps_high).float() * m).sum()
     return (-(w * inp.advantages.detach() * inp.logprobs) * m).sum(), {

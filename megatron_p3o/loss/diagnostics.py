@@ -1,6 +1,7 @@
 """Train–rollout mismatch diagnostics reported for every objective (per the formulas doc).
 
-Ratio ρ = πθ/πb: mean, std, max and p50/p90/p99; mean k3(πθ‖πb); mean |ℓθ − ℓb|; entropy.
+Ratio ρ = πθ/πb: mean, std, max and p50/p90/p99; mean k3(πθ‖πb); KL(πb‖πθ) estimated on the
+engine's samples; mean and p99 (``abs_log_ratio_p99``) of |ℓθ − ℓb|; entropy.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs, entropy: bool = True
     acc.add("ratio_sq_mean", (rho * rho).sum(), n)
     acc.add_max("ratio_max", rho.max() if n > 0 else 0.0)
     acc.add("k3_to_behavior", k3(inp.logprobs.detach(), inp.behavior_logprobs, m).sum(), n)
+    # KL(πb‖πθ) from the engine's own samples: E_b[ρ − 1 − log ρ] (k3 with ρ = πθ/πb, ≥ 0)
+    acc.add("kl_behavior_theta", ((rho - 1.0 - d) * m).sum(), n)
     acc.add("abs_logprob_diff", (d.abs() * m).sum(), n)
     acc.add_log_hist("ratio", d[m > 0])
     if entropy and inp.entropy is not None:

@@ -9,6 +9,7 @@ Token-mean over the step. No clip range, no trust-region knob.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -23,11 +24,15 @@ class P3OConfig:
         ref_kl_coef: η, weight of k3 to the frozen reference model (0 = off).
         entropy_coef: β_H, entropy bonus (0 = off).
         k3_clamp: clamp of ℓb − ℓθ inside exp() in k3 (FeynRL uses 10).
+        kl_scale: ablation (stress studies only): multiplies the (1 − e_B)·k3 term; 0 removes it.
+        kl_anchor: ablation: k3 toward πb ("behavior", the paper) or toward a recomputed πold.
     """
 
     ref_kl_coef: float = 0.0
     entropy_coef: float = 0.0
     k3_clamp: float = 10.0
+    kl_scale: float = 1.0
+    kl_anchor: Literal["behavior", "old"] = "behavior"
 
 
 def p3o_terms(inp: LossInputs, stats: StepStats, h: P3OConfig):
@@ -36,8 +41,9 @@ def p3o_terms(inp: LossInputs, stats: StepStats, h: P3OConfig):
     m = inp.mask
     rho = torch.exp(masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m)).detach()
     w = torch.clamp(rho, max=e)
-    kl_b = k3(inp.logprobs, inp.behavior_logprobs, m, h.k3_clamp)
-    per_tok = -w * inp.advantages.detach() * inp.logprobs + (1.0 - e) * kl_b
+    anchor = inp.old_logprobs if h.kl_anchor == "old" else inp.behavior_logprobs
+    kl_b = k3(inp.logprobs, anchor, m, h.k3_clamp)
+    per_tok = -w * inp.advantages.detach() * inp.logprobs + h.kl_scale * (1.0 - e) * kl_b
     if h.ref_kl_coef:
         per_tok = per_tok + h.ref_kl_coef * k3(inp.logprobs, inp.ref_logprobs, m, h.k3_clamp)
     if h.entropy_coef:

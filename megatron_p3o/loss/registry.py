@@ -35,6 +35,9 @@ class ObjectiveSpec:
     config_cls: type
     terms: Callable
     needs: Tuple[str, ...] = ()  # of: ess, ess_prox, old, ref(if coef), rewards
+    # its ratio is against πold when ℓold is given, else against πb ("bypass"): the trainer
+    # recomputes ℓold unless ``loss.old_logprobs: behaviour`` (PPO, GRPO, DAPO, GSPO, CISPO)
+    old_optional: bool = False
     per_sequence: bool = False
     defaults: Dict[str, Any] = field(default_factory=dict)
     # the objective's own advantages (rewards [N], group ids [N], hyper) -> [N], replacing the
@@ -55,21 +58,29 @@ OBJECTIVES: Dict[str, ObjectiveSpec] = {
         P4OConfig, p4o_terms, needs=("ess", "ess_prox", "old"), behavior_ratio=True
     ),
     "reinforce": ObjectiveSpec(ReinforceConfig, reinforce_terms),
-    "ppo": ObjectiveSpec(ClipConfig, clip_terms),
-    "grpo": ObjectiveSpec(ClipConfig, clip_terms, defaults={"aggregation": "seq_mean_token_mean"}),
-    "dapo": ObjectiveSpec(ClipConfig, clip_terms, defaults={"eps_low": 0.2, "eps_high": 0.28}),
+    "ppo": ObjectiveSpec(ClipConfig, clip_terms, old_optional=True),
+    "grpo": ObjectiveSpec(
+        ClipConfig,
+        clip_terms,
+        old_optional=True,
+        defaults={"aggregation": "seq_mean_token_mean"},
+    ),
+    "dapo": ObjectiveSpec(
+        ClipConfig, clip_terms, old_optional=True, defaults={"eps_low": 0.2, "eps_high": 0.28}
+    ),
     "tis": ObjectiveSpec(ClipConfig, clip_terms, needs=("old",), defaults={"tis_cap": 2.0}),
     "mis": ObjectiveSpec(
         ClipConfig, clip_terms, needs=("old",), defaults={"mis_low": 0.5, "mis_high": 2.0}
     ),
-    "gspo": ObjectiveSpec(GSPOConfig, gspo_terms, per_sequence=True),
+    "gspo": ObjectiveSpec(GSPOConfig, gspo_terms, old_optional=True, per_sequence=True),
     "gspo_token": ObjectiveSpec(
         GSPOConfig,
         gspo_terms,
+        old_optional=True,
         per_sequence=True,
         defaults={"token_level": True},
     ),
-    "cispo": ObjectiveSpec(CISPOConfig, cispo_terms),
+    "cispo": ObjectiveSpec(CISPOConfig, cispo_terms, old_optional=True),
     "decoupled_ppo": ObjectiveSpec(DecoupledPPOConfig, decoupled_ppo_terms, needs=("old",)),
     "oapl": ObjectiveSpec(
         OAPLConfig,
@@ -114,7 +125,12 @@ class Objective:
 
     @property
     def needs_old_logprobs(self) -> bool:
-        return "old" in self.spec.needs
+        return "old" in self.spec.needs or getattr(self.hyper, "kl_anchor", "") == "old"
+
+    def recomputes_old(self, mode: str) -> bool:
+        """Whether the trainer recomputes ℓold for this objective under ``loss.old_logprobs``
+        (``recompute``: standard PPO/GRPO semantics; ``behaviour``: bypass, ℓold = ℓb)."""
+        return self.needs_old_logprobs or (self.spec.old_optional and mode == "recompute")
 
     @property
     def needs_ref_logprobs(self) -> bool:

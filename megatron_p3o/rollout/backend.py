@@ -60,8 +60,15 @@ class RolloutBackend(abc.ABC):
         """Make the trainer's current weights version ``version`` of the engine (all ranks)."""
 
     @abc.abstractmethod
-    def evaluate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, version: int):
-        """One completion per prompt with the trainer's current weights (all ranks)."""
+    def evaluate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        version: int,
+        precision: Optional[str] = None,
+    ):
+        """One completion per prompt with the trainer's current weights (all ranks), in
+        ``precision`` (an embedded-engine precision; None = the rollout engine's own)."""
 
     def next_batch(self) -> RolloutResult:
         """The next rollout batch (blocks until the schedule's weight version produced it)."""
@@ -94,12 +101,33 @@ class EmbeddedBackend(RolloutBackend):
     def _sync(self, version: int) -> WeightUpdate:
         return LoadWeights(self.weights.full())
 
-    def evaluate(self, prompts, sampling, version) -> List[Sample]:
+    _eval_engine = None
+
+    def evaluate(self, prompts, sampling, version, precision=None) -> List[Sample]:
+        if precision is not None and precision != self.engine.precision:
+            return self._evaluator(precision, version).generate(prompts, 1, sampling)
         pub = Publication(version - 1, version, self._sync(version))
         s = self.scheduler
         with s.engine_lock:  # borrowed from the rollout producer for the duration
             s.ensure_weights(pub)
             return self.engine.generate(prompts, 1, sampling)
+
+    def _evaluator(self, precision: str, version: int):
+        """A second, noise-free engine in the trainer's precision for evaluation (built on first
+        use), so that scores measure the policy, not the rollout precision."""
+        from ..model.description import description_to_hf_config
+        from .embedded import EmbeddedEngine
+
+        e = self._eval_engine
+        if e is None or e.precision != precision:
+            hf = description_to_hf_config(self.weights.desc)
+            e = EmbeddedEngine(
+                hf, precision, pad_token_id=self.engine.pad_token_id, device=self.engine.device
+            )
+            self._eval_engine = e
+        if e.weight_version != version:
+            e.update_weights([self.weights.full()], version)
+        return e
 
 
 class SGLangBackend(RolloutBackend):
@@ -125,8 +153,10 @@ class SGLangBackend(RolloutBackend):
         if self.cfg.weight_sync == "colocated":
             self.engine.release_memory()
 
-    def evaluate(self, prompts, sampling, version) -> List[Sample]:
-        return self.evaluator.generate(prompts, 1, sampling)  # the last sync point's weights
+    def evaluate(self, prompts, sampling, version, precision=None) -> List[Sample]:
+        # the server's precision and the last sync point's weights (a trainer-precision
+        # evaluation would need a generation path in Megatron: not built)
+        return self.evaluator.generate(prompts, 1, sampling)
 
 
 def build_backend(
@@ -149,7 +179,10 @@ def build_backend(
 
         hf = description_to_hf_config(weights.desc)
         device = str(groups.device) if cfg.device == "auto" else cfg.device
-        engine = EmbeddedEngine(hf, cfg.precision, pad_token_id=pad_token_id, device=device)
+        engine = EmbeddedEngine(
+            hf, cfg.precision, pad_token_id=pad_token_id, device=device,
+            logit_noise=cfg.logit_noise, fp8_kv_cache=cfg.fp8_kv_cache,
+        )  # fmt: skip
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, pending)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
     producer, evaluator = _central_engines(cfg, groups, hf)

@@ -19,7 +19,9 @@ class RolloutConfig:
     engine: "embedded" (transformers, in-process) or "sglang".
     device: where the embedded engine runs: "auto" (the trainer's GPU when there is one),
         "cpu" or "cuda".
-    precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block).
+    precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block, fp8_w8a8; see
+        :mod:`.embedded` for what each FP8 simulation rounds).
+    fp8_kv_cache: embedded engine with an fp8 precision: also round K/V to e4m3.
     n_samples: completions per prompt (the GRPO group size G).
     sampling: sampling parameters (``stop_token_ids`` gets the tokenizer's EOS added; ``seed``
         is set per batch by the scheduler).
@@ -27,7 +29,10 @@ class RolloutConfig:
     max_staleness: asynchronous rollouts may lag the trainer by at most K versions (0: sync).
     dynamic_sampling: DAPO dynamic sampling — refill groups whose rewards are all equal with
         fresh prompts, up to ``dynamic_max_rounds`` rounds per batch.
-    logprob_noise: stress tests only — σ of Gaussian noise added to the behaviour log-probs.
+    logprob_noise: stress tests only — σ of Gaussian noise added to the *reported* behaviour
+        log-probs after sampling (misreported ℓb; not a distribution: E_b[ρ] = e^{σ²/2}).
+    logit_noise: stress tests only (embedded engine) — σ of Gaussian noise added to the engine's
+        logits before sampling; ℓb are the exact log-probs of that perturbed distribution.
     engine_temperature: stress tests only — let the engine sample at another temperature
         than the trainer's ``sampling.temperature`` (None: the same, as it must be).
     sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
@@ -42,7 +47,8 @@ class RolloutConfig:
 
     engine: Literal["embedded", "sglang"] = "embedded"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16", "fp8", "fp8_block"] = "bf16"
+    precision: Literal["fp32", "bf16", "fp16", "fp8", "fp8_block", "fp8_w8a8"] = "bf16"
+    fp8_kv_cache: bool = False
     n_samples: int = 8
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sync_every: int = 1
@@ -50,6 +56,7 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     dynamic_max_rounds: int = 3
     logprob_noise: float = 0.0
+    logit_noise: float = 0.0
     engine_temperature: Optional[float] = None
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     weight_sync: Literal["nccl", "colocated", "disk"] = "nccl"

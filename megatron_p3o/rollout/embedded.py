@@ -2,12 +2,26 @@
 
 Why: where no GPU (and so no SGLang) exists, the trainer still needs an engine that samples in
 *another* precision than the fp32 trainer, so the train–rollout mismatch P3O corrects is real.
-Precisions: fp32, bf16, fp16, and FP8 simulated on CPU — linear weights quantize-dequantized
-through ``torch.float8_e4m3fn`` with a per-tensor scale (``fp8``) or 128×128 block scales
-(``fp8_block``, DeepSeek-V3 style), computing in bf16.
+Precisions: fp32, bf16, fp16, and FP8 simulated on CPU by rounding through
+``torch.float8_e4m3fn`` while computing in bf16:
+
+- ``fp8``: linear weights with one scale per tensor;
+- ``fp8_block``: linear weights with 128×128 block scales (FP8 checkpoints, DeepSeek-V3 style);
+- ``fp8_w8a8``: ``fp8_block`` weights plus the linear layers' input activations rounded per
+  token and 128-channel group (dynamic scales), as block-FP8 GEMMs (SGLang's w8a8) see them;
+- ``fp8_kv_cache`` (with any fp8 precision): K and V rounded to e4m3 with scale 1.0 (SGLang's
+  FP8 KV cache without calibrated scales), applied at the k/v projections' outputs.
+
+Not simulated: the FP8 GEMM's own accumulation order and output rounding, the attention kernel,
+the lm_head and embeddings (kept in bf16, as FP8 checkpoints do), and K's rounding after RoPE
+(here before it: RoPE is a rotation, so magnitudes and the rounding error are alike).
 
 Sampling is batched with a KV cache; each token's log-prob is taken under exactly the
 distribution it was drawn from (softmax(logits / T), truncated by top-k / top-p when enabled).
+
+Stress knob ``logit_noise`` (σ): every sampling step draws ε ~ N(0, σ²) per vocabulary entry and
+samples from softmax((z + ε) / T), reporting the exact log-probs of that perturbed distribution:
+a precision-like train–rollout mismatch with honest ℓb (unlike corrupting the reported ℓb).
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ PRECISIONS = {
     "fp16": torch.float16,
     "fp8": torch.bfloat16,
     "fp8_block": torch.bfloat16,
+    "fp8_w8a8": torch.bfloat16,
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -45,6 +60,23 @@ def fp8_quant_dequant(w: Tensor, block: Optional[int] = None) -> Tensor:
     scale = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX
     q = (tiles / scale).to(torch.float8_e4m3fn).float() * scale
     return q.reshape(padded.shape)[:rows, :cols].to(w.dtype)
+
+
+def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:
+    """``x [..., d]`` rounded through e4m3 with one dynamic scale per token and ``group``
+    channels (the activation side of block-FP8 GEMMs)."""
+    d = x.shape[-1]
+    pad = -d % group
+    xf = torch.nn.functional.pad(x.float(), (0, pad))
+    g = xf.reshape(*xf.shape[:-1], -1, group)
+    scale = g.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    q = (g / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(*xf.shape)[..., :d].to(x.dtype)
+
+
+def fp8_kv_round(x: Tensor) -> Tensor:
+    """K/V values stored as e4m3 with scale 1.0 (clamped to ±448)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float().to(x.dtype)
 
 
 def _truncate(z: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -80,6 +112,8 @@ class EmbeddedEngine(RolloutEngine):
         max_batch: int = 64,
         pad_token_id: int = 0,
         device: str = "cpu",
+        logit_noise: float = 0.0,
+        fp8_kv_cache: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,8 +129,14 @@ class EmbeddedEngine(RolloutEngine):
         with self.device:
             self.model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).eval()
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if fp8_kv_cache and not precision.startswith("fp8"):
+            raise ValueError("rollout.fp8_kv_cache needs an fp8 rollout.precision")
+        self._fp8_hooks(precision == "fp8_w8a8", fp8_kv_cache)
         self.params: Dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.max_batch, self.pad_token_id = max_batch, pad_token_id
+        if logit_noise < 0:
+            raise ValueError(f"rollout.logit_noise={logit_noise} must be >= 0")
+        self.logit_noise = float(logit_noise)
         self.weight_version = -1  # no weights loaded yet
         # transformers >= 5 calls the KV cache ``cache``; earlier versions ``past_key_values``
         import inspect
@@ -107,6 +147,16 @@ class EmbeddedEngine(RolloutEngine):
             else "past_key_values"
         )
 
+    def _fp8_hooks(self, activations: bool, kv: bool) -> None:
+        for name, mod in self.model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in _FP8_LINEARS:
+                continue
+            if activations:
+                mod.register_forward_pre_hook(lambda m, a: (fp8_activation_quant(a[0]),))
+            if kv and leaf in ("k_proj", "v_proj"):
+                mod.register_forward_hook(lambda m, a, out: fp8_kv_round(out))
+
     # -- weights ------------------------------------------------------------------------------
     def _to_engine(self, name: str, t: Tensor) -> Tensor:
         t = t.to(self.dtype)
@@ -115,7 +165,7 @@ class EmbeddedEngine(RolloutEngine):
             and t.dim() == 2
             and name.rsplit(".", 2)[-2] in _FP8_LINEARS
         ):
-            t = fp8_quant_dequant(t, 128 if self.precision == "fp8_block" else None)
+            t = fp8_quant_dequant(t, None if self.precision == "fp8" else 128)
         return t
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
@@ -171,6 +221,9 @@ class EmbeddedEngine(RolloutEngine):
         stops = set(sampling.stop_token_ids)
         logits = out.logits[:, -1]
         for step in range(sampling.max_new_tokens):
+            if self.logit_noise > 0:  # the engine's own distribution is the perturbed one
+                eps = torch.randn(logits.shape, generator=gen, device=self.device)
+                logits = logits.float() + self.logit_noise * eps
             logp = sampling_logprobs(logits, sampling)
             tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
             lp = logp.gather(-1, tok[:, None])[:, 0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Literal, Tuple
 
 import torch
 
@@ -22,11 +22,15 @@ from ..errors import CheckpointError, DataError, InputFileError
 @dataclass(frozen=True)
 class DataConfig:
     """Attributes: path (jsonl/parquet), eval_path (held-out set, optional), prompt_key,
-    answer_key, chat_template, shuffle, eval_every (steps; 0 = only at start and end)."""
+    answer_key, chat_template, shuffle, eval_every (steps; 0 = only at start and end),
+    eval_precision ("trainer": a second embedded engine in ``model.params_dtype``, so scores
+    measure the policy and not the rollout precision; "rollout": the rollout engine itself;
+    SGLang always evaluates on its server)."""
 
     path: str = ""
     eval_path: str = ""
     eval_every: int = 0
+    eval_precision: Literal["trainer", "rollout"] = "trainer"
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     chat_template: bool = False

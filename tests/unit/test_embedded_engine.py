@@ -165,3 +165,58 @@ def test_behavior_semantics_are_enforced():
     with pytest.raises(SamplingError, match="top_p=0.9"):
         check_behavior_semantics(SamplingParams(top_p=0.9), 1.0, p3o.behavior_ratio)
     check_behavior_semantics(SamplingParams(top_p=0.9), 1.0, build_objective("grpo").behavior_ratio)
+
+
+def test_logit_noise_reports_the_perturbed_distribution(hf_model):
+    """With ``logit_noise`` σ the engine samples from softmax((z + σε)/T) and reports exactly
+    that distribution's log-probs: replayed here with plain transformers forwards and the same
+    generator stream (ε draws interleaved with the multinomial draws)."""
+    sigma, temp, seed = 0.5, 0.9, 3
+    e = EmbeddedEngine(hf_model.config.to_dict(), "fp32", logit_noise=sigma)
+    e.update_weights([list(hf_model.state_dict().items())], version=1)
+    sp = SamplingParams(temperature=temp, max_new_tokens=8, seed=seed)
+    s = e.generate([PROMPTS[2]], 1, sp)[0]
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(s.prompt_ids)
+    ref_lp, ref_tok = [], []
+    with torch.no_grad():
+        for _ in range(len(s.completion_ids)):
+            z = hf_model(torch.tensor([ids])).logits[:, -1].float()
+            z = z + sigma * torch.randn(z.shape, generator=gen)
+            logp = torch.log_softmax(z / temp, -1)
+            tok = int(torch.multinomial(logp.exp(), 1, generator=gen)[0, 0])
+            ref_tok.append(tok)
+            ref_lp.append(float(logp[0, tok]))
+            ids.append(tok)
+    assert s.completion_ids == ref_tok
+    assert max(abs(a - b) for a, b in zip(s.logprobs, ref_lp)) < 1e-5
+    # and the noise is a real mismatch against the clean model the trainer holds
+    clean = e.score([s.prompt_ids], [s.completion_ids], sp)[0]
+    assert sum(abs(a - b) for a, b in zip(s.logprobs, clean)) / len(clean) > 0.05
+
+
+def test_fp8_activation_and_kv_rounding(hf_model):
+    """Activations round per (token, 128 channels) to e4m3 (relative error ≤ 2⁻⁴ of each group's
+    max, scale-invariant per group); w8a8 moves the engine further from fp32 than block weights
+    alone, and the FP8 KV cache changes its log-probs again."""
+    from megatron_p3o.rollout.embedded import fp8_activation_quant, fp8_kv_round
+
+    x = torch.randn(3, 200) * torch.logspace(-3, 3, 200)
+    q = fp8_activation_quant(x)
+    for lo in (0, 128):
+        g, gq = x[:, lo : lo + 128], q[:, lo : lo + 128]
+        assert ((g - gq).abs() <= g.abs().amax(-1, keepdim=True) * 2**-4).all()
+    assert torch.equal(fp8_activation_quant(x[:, :128] * 1024), q[:, :128] * 1024)
+    assert fp8_kv_round(torch.tensor([1000.0, 0.1])).tolist()[0] == 448.0
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    ref = _engine(hf_model, "fp32").generate(PROMPTS, 2, sp)
+    comp = [s.completion_ids for s in ref]
+    diffs, lps = {}, {}
+    for name, kw in (("fp8_block", {}), ("fp8_w8a8", {}), ("fp8_w8a8+kv", {"fp8_kv_cache": True})):
+        e = EmbeddedEngine(hf_model.config.to_dict(), name.split("+")[0], **kw)
+        e.update_weights([list(hf_model.state_dict().items())], version=1)
+        lps[name] = e.score([s.prompt_ids for s in ref], comp, sp)
+        pairs = [(a, b) for x, y in zip(lps[name], ref) for a, b in zip(x, y.logprobs)]
+        diffs[name] = sum(abs(a - b) for a, b in pairs) / len(pairs)
+    assert diffs["fp8_block"] < diffs["fp8_w8a8"], diffs
+    assert max_abs_diff(lps["fp8_w8a8+kv"], lps["fp8_w8a8"]) > 1e-3

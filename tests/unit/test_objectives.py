@@ -87,7 +87,7 @@ def ref_loss(name, x):
         st = s.detach()[:, None] * torch.exp(lp - lp.detach())
         return _seq_mean_tok_mean(_surr(st, A, 3e-4, 4e-4), m)
     if name == "cispo":
-        rho = torch.exp(_d(lp, lb, m)).detach()
+        rho = torch.exp(_d(lp, lold, m)).detach()  # r = πθ/πold (ℓold = ℓb when bypassed)
         return _tok_mean(-torch.clamp(rho, max=1.28) * A * lp, m)
     if name == "decoupled_ppo":
         u = torch.exp(_d(lp, lold.detach(), m))
@@ -162,6 +162,49 @@ def test_objective_matches_float64_reference(name, old_noise):
     assert (g[x["mask"] == 0] == 0).all(), "padded tokens must get no gradient"
     if name in ("p3o", "p4o"):
         assert abs(metrics["ess"] - _ess(x["lp"], x["lb"], x["mask"])) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo", "dapo", "gspo", "gspo_token", "cispo"])
+def test_old_logprobs_mode_changes_only_the_ratio_denominator(name):
+    """``loss.old_logprobs``: with ℓold recomputed the ratio is πθ/πold; bypassed it is πθ/πb.
+    Swapping which of the two log-probs is passed as ℓold gives the same loss and gradient as
+    passing it as ℓb with no ℓold: the mode changes the denominator and nothing else."""
+    from megatron_p3o.loss import build_objective
+
+    x = _data(0.3)
+    grads = []
+    for lb, lold in ((x["lb"], x["lold"]), (x["lold"], None)):
+        lp = x["lp"].clone().requires_grad_()
+        loss, _ = policy_loss(name, lp, lb, x["adv"], x["mask"], old_logprobs=lold)
+        grads.append((float(loss), torch.autograd.grad(loss, lp)[0]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12)
+    assert torch.allclose(grads[0][1], grads[1][1], rtol=1e-12, atol=0)
+    # and the ratio really is against ℓold when given (the two denominators differ here)
+    lp = x["lp"].clone().requires_grad_()
+    bypass, _ = policy_loss(name, lp, x["lb"], x["adv"], x["mask"])
+    assert abs(float(bypass) - grads[0][0]) > 1e-6
+    obj = build_objective(name)
+    assert obj.recomputes_old("recompute") and not obj.recomputes_old("behaviour")
+    for always in ("tis", "mis", "decoupled_ppo", "p4o"):
+        assert build_objective(always).recomputes_old("behaviour")
+    assert not build_objective("p3o").recomputes_old("recompute")
+    assert build_objective("p3o", kl_anchor="old").recomputes_old("behaviour")
+
+
+def test_p3o_ablations_leave_the_default_alone():
+    """kl_scale=1 / kl_anchor=behavior are the paper's P3O; kl_scale=0 drops exactly the
+    (1 − e_B)·k3 term; kl_anchor=old moves k3's anchor to ℓold."""
+    x = _data(0.3)
+    e = _ess(x["lp"], x["lb"], x["mask"])
+    m, lp, lb, lold = x["mask"], x["lp"], x["lb"], x["lold"]
+    A = x["adv"][:, None].expand_as(lp)
+    pg = _tok_mean(-torch.clamp(torch.exp(_d(lp, lb, m)), max=e) * A * lp, m)
+    default, _ = policy_loss("p3o", lp, lb, x["adv"], m)
+    no_kl, _ = policy_loss("p3o", lp, lb, x["adv"], m, kl_scale=0.0)
+    to_old, _ = policy_loss("p3o", lp, lb, x["adv"], m, old_logprobs=lold, kl_anchor="old")
+    assert float(default) == pytest.approx(float(ref_loss("p3o", x)), rel=1e-12)
+    assert float(no_kl) == pytest.approx(float(pg), rel=1e-12)
+    assert float(to_old) == pytest.approx(float(pg + (1 - e) * _tok_mean(_k3(lp, lold, m), m)))
 
 
 def test_per_token_advantages_equal_broadcast_per_sequence():

@@ -14,17 +14,20 @@ from megatron_p3o.types import Group, Sample, TrainBatch
 
 def test_one_optimizer_step_is_reported_as_it_is():
     m = {"loss": 0.5, "ess": 0.9, "log_ratio_hist": [1, 2]}
-    assert combine_optimizer_steps([(0, m)]) == m
+    out = combine_optimizer_steps([(0, 0, m)])
+    assert out == {**m, "per_step": [{"epoch": 0, "minibatch": 0, "loss": 0.5, "ess": 0.9}]}
 
 
 def test_every_optimizer_step_of_a_rollout_batch_is_covered():
     # 2 mini-batches × 2 epochs; values chosen so that mean/sum/per-epoch differ
     steps = [
-        (0, {"loss": 1.0, "ess": 0.9, "skipped_steps": 0.0, "log_ratio_hist": [1, 0]}),
-        (0, {"loss": 3.0, "ess": 0.7, "skipped_steps": 1.0, "log_ratio_hist": [0, 2]}),
-        (1, {"loss": 5.0, "ess": 0.5, "skipped_steps": 0.0, "log_ratio_hist": [1, 1]}),
-        (1, {"loss": 7.0, "ess": 0.3, "skipped_steps": 1.0, "log_ratio_hist": [3, 0]}),
+        (0, 0, {"loss": 1.0, "ess": 0.9, "skipped_steps": 0.0, "log_ratio_hist": [1, 0]}),
+        (0, 1, {"loss": 3.0, "ess": 0.7, "skipped_steps": 1.0, "log_ratio_hist": [0, 2]}),
+        (1, 0, {"loss": 5.0, "ess": 0.5, "skipped_steps": 0.0, "log_ratio_hist": [1, 1]}),
+        (1, 1, {"loss": 7.0, "ess": 0.3, "skipped_steps": 1.0, "log_ratio_hist": [3, 0]}),
     ]
+    for _, _, m in steps:
+        m.update(k3_to_behavior=m["loss"] / 10, clip_frac=m["ess"] / 2)
     out = combine_optimizer_steps(steps)
     assert out["opt_steps"] == 4
     assert out["loss"] == pytest.approx(4.0)  # mean over the 4 steps, not the last one's 7
@@ -33,6 +36,12 @@ def test_every_optimizer_step_of_a_rollout_batch_is_covered():
     assert out["ess_epoch0"] == pytest.approx(0.8) and out["ess_epoch1"] == pytest.approx(0.4)
     assert out["ess_min"] == 0.3
     assert out["log_ratio_hist"] == [5, 3]
+    # every epoch × mini-batch keeps its own e_B, k3 and clip fraction
+    per = out["per_step"]
+    assert [(p["epoch"], p["minibatch"]) for p in per] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [p["ess"] for p in per] == [0.9, 0.7, 0.5, 0.3]
+    assert [p["k3_to_behavior"] for p in per] == [0.1, 0.3, 0.5, 0.7]
+    assert [p["clip_frac"] for p in per] == [0.45, 0.35, 0.25, 0.15]
 
 
 def test_phase_timer_adds_up_named_phases():
