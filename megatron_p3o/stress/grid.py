@@ -18,8 +18,9 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
     notes: |                             # your reading of the results, kept in the report
       ...
 
-Families are the mismatch axes: rollout precision, staleness (sync every L / async K), injected
-noise σ on ℓb, engine/trainer temperature mismatch. Every cell is validated as a full
+Families are the mismatch axes: rollout precision, reuse (epochs), staleness (sync every L /
+async K), engine logit noise (a perturbed sampling distribution with honest ℓb), corrupted
+reported ℓb, engine/trainer temperature mismatch. Every cell is validated as a full
 ``TrainConfig`` before anything runs, so a typo fails in the first second, not after an hour.
 """
 
@@ -59,6 +60,7 @@ class GridConfig:
     mismatch: Dict[str, MismatchSpec] = field(default_factory=dict)
     seeds: List[int] = field(default_factory=lambda: [1])
     eval_limit: int = 0
+    world_size: int = 1  # ranks each cell runs on (checked by --list on a laptop)
     notes: str = ""  # the experimenter's reading, printed in the report above the computed findings
 
 
@@ -122,8 +124,10 @@ def cells(grid: GridConfig) -> List[Cell]:
     return out
 
 
-def cell_config(grid: GridConfig, cell: Cell, world_size: int = 1) -> TrainConfig:
-    """The cell's full, validated configuration (run directory under ``grid.work``)."""
+def cell_config(grid: GridConfig, cell: Cell, world_size: int = 0) -> TrainConfig:
+    """The cell's full, validated configuration (run directory under ``grid.work``), for
+    ``world_size`` ranks (0 = the grid's ``world_size``)."""
+    world_size = world_size or grid.world_size
     cfg = load_config(grid.base, cell.overrides + [f"run.dir={grid.work}", f"run.name={cell.id}"])
     try:
         return cfg.validate(world_size)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from .grid import GridConfig
+from .stats import by_seed, paired_bootstrap, versus_best_baseline
 
 STEP_KEYS = (
     "reward_mean",
@@ -209,6 +210,132 @@ def plot_final_vs_level(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
     return path
 
 
+def _is_p3o(name: str) -> bool:
+    return name.startswith("p3o")
+
+
+def _subject(grid: GridConfig):
+    """(P3O's label, its ablation labels, the baselines' labels)."""
+    p3o = next((o for o in grid.objectives if o == "p3o"), None) or next(
+        (o for o in grid.objectives if _is_p3o(o)), None
+    )
+    ablations = [o for o in grid.objectives if _is_p3o(o) and o != p3o]
+    return p3o, ablations, [o for o in grid.objectives if not _is_p3o(o)]
+
+
+_MISMATCH_KEYS = ("abs_diff_first", "abs_diff_run", "abs_diff_p99_first", "kl_b_theta_first")
+
+
+def _mean_of(cells: List[dict], mm: str, key: str) -> float:
+    return _stats([c.get(key) for c in cells if c["mismatch"] == mm and c["status"] == "ok"])[0]
+
+
+def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]:
+    """The paired table (P3O − best baseline per setting, bootstrap 95% CI over seeds × prompts;
+    P3O's ablations − P3O) and the sentences computed from it."""
+    p3o, ablations, baselines = _subject(grid)
+    lines = [
+        r"| setting | measured mismatch: mean \|Δℓ\| first step / run, p99 first, "
+        "KL(πb‖πθ) first | P3O | best baseline | P3O − best [95% CI] | verdict |"
+        + "".join(f" {a} − P3O [95% CI] |" for a in ablations),
+        "|---" * (6 + len(ablations)) + "|",
+    ]
+    said: Dict[str, List[str]] = defaultdict(list)
+    for mm in grid.mismatch:
+        m = {k: _mean_of(cells, mm, k) for k in _MISMATCH_KEYS}
+        mism = (
+            f"{m['abs_diff_first']:.3f} / {m['abs_diff_run']:.3f}, "
+            f"{m['abs_diff_p99_first']:.2f}, {m['kl_b_theta_first']:.4f}"
+        )
+        res = versus_best_baseline(cells, mm, p3o, baselines) if p3o else None
+        if res is None:
+            lines.append(f"| {mm} | {mism} | — | — | — | — |" + " — |" * len(ablations))
+            continue
+        best, d = res
+        mine = _stats(
+            [c["acc_end"] for c in cells if c["objective"] == p3o and c["mismatch"] == mm]
+        )
+        theirs = _stats(
+            [c["acc_end"] for c in cells if c["objective"] == best and c["mismatch"] == mm]
+        )
+        row = (
+            f"| {mm} | {mism} | {mine[0]:.3f} | {best} {theirs[0]:.3f} | "
+            f"{d.diff:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}] | **{d.verdict}** |"
+        )
+        said[d.verdict].append(f"{mm} ({d.diff:+.3f} vs {best})")
+        for a in ablations:
+            x, y = by_seed(cells, a, mm), by_seed(cells, p3o, mm)
+            common = sorted(set(x) & set(y))
+            if not common:
+                row += " — |"
+                continue
+            r = paired_bootstrap([x[s] for s in common], [y[s] for s in common])
+            row += f" {r.diff:+.3f} [{r.lo:+.3f}, {r.hi:+.3f}] |"
+            if r.verdict != "tie":
+                said[f"ablation:{a}"].append(f"{mm} ({r.diff:+.3f})")
+        lines.append(row)
+    text = []
+    for v, what in (("win", "P3O is ahead of the best baseline"), ("loss", "P3O is behind it")):
+        if said[v]:
+            text.append(f"- {what}, the interval excluding 0, in: " + ", ".join(said[v]) + ".")
+    if said["tie"]:
+        text.append(
+            "- No difference resolved (the interval holds 0) in: " + ", ".join(said["tie"]) + "."
+        )
+    for a in ablations:
+        got = said[f"ablation:{a}"]
+        text.append(
+            f"- Ablation {a} vs P3O: "
+            + (
+                "differs, the interval excluding 0, in " + ", ".join(got) + "."
+                if got
+                else "no setting where the difference is resolved."
+            )
+        )
+    return lines, text
+
+
+def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
+    """Final accuracy against the *measured* mismatch of each setting (mean |ℓθ − ℓb| over the
+    run's optimizer steps), one line per objective, with bootstrap 95% CI bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    for obj in grid.objectives:
+        pts = []
+        for mm in grid.mismatch:
+            x = _mean_of([c for c in cells if c["objective"] == obj], mm, "abs_diff_run")
+            sc = by_seed(cells, obj, mm)
+            if not sc or not math.isfinite(x):
+                continue
+            rows = [sc[s] for s in sorted(sc)]
+            ci = paired_bootstrap(rows, [[0.0] * len(r) for r in rows])
+            pts.append((x, ci.diff, ci.lo, ci.hi))
+        if not pts:
+            continue
+        pts.sort()
+        xs = [p[0] for p in pts]
+        (line,) = ax.plot(
+            xs, [p[1] for p in pts], marker="o", ms=4, lw=2.4 if _is_p3o(obj) else 1.2, label=obj
+        )
+        ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], alpha=0.12,
+                        color=line.get_color())  # fmt: skip
+    ax.set_xscale("symlog", linthresh=0.01)
+    ax.set_xlabel("measured mismatch: mean |ℓθ − ℓb| over the run's optimizer steps (nats)")
+    ax.set_ylabel("final held-out accuracy")
+    ax.set_title(f"{grid.name}: accuracy vs measured mismatch (bands: bootstrap 95% CI)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / "acc_vs_measured_mismatch.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _table(grid: GridConfig, cells: List[dict], key: str, fmt: str) -> List[str]:
     mms = list(grid.mismatch)
     lines = ["| objective | " + " | ".join(mms) + " | mean |", "|---" * (len(mms) + 2) + "|"]
@@ -240,8 +367,8 @@ def _table(grid: GridConfig, cells: List[dict], key: str, fmt: str) -> List[str]
 
 
 def findings(grid: GridConfig, cells: List[dict]) -> List[str]:
-    """Plain sentences computed from the table: who is best per setting, where P3O is not."""
-    p3o = next((o for o in grid.objectives if o.startswith("p3o")), None)
+    """Mean rank per objective over the settings (1 = best mean final accuracy), and the cells
+    that failed. Wins and losses are called only by the paired CIs (:func:`headline`)."""
     out = []
     ranks: Dict[str, List[int]] = defaultdict(list)
     for mm in grid.mismatch:
@@ -250,41 +377,12 @@ def findings(grid: GridConfig, cells: List[dict]) -> List[str]:
             for o in grid.objectives
         }
         fin = sorted(((v[0], o) for o, v in stats.items() if math.isfinite(v[0])), reverse=True)
-        if not fin:
-            continue
         for r, (_, o) in enumerate(fin):
             ranks[o].append(r + 1)
-        top_v, top = fin[0]
-        if p3o is None or p3o not in stats or not math.isfinite(stats[p3o][0]):
-            out.append(f"- **{mm}**: best {top} ({top_v:.3f}).")
-            continue
-        pv, plo, phi = stats[p3o]
-        rank = [o for _, o in fin].index(p3o) + 1
-        if top == p3o:
-            second = fin[1] if len(fin) > 1 else None
-            gap = (
-                f", ahead of {second[1]} ({second[0]:.3f}) by {pv - second[0]:+.3f}"
-                if second
-                else ""
-            )
-            out.append(f"- **{mm}**: P3O is best ({pv:.3f}{gap}).")
-        else:
-            spread = (stats[top][2] - stats[top][1]) / 2 + (phi - plo) / 2
-            verdict = (
-                "one seed, no spread to compare"
-                if len(grid.seeds) == 1
-                else "within the seed spread"
-                if top_v - pv <= spread
-                else "by more than the seed spread"
-            )
-            out.append(
-                f"- **{mm}**: P3O does **not** win — {top} reaches {top_v:.3f}, P3O {pv:.3f} "
-                f"(rank {rank} of {len(fin)}; gap {top_v - pv:.3f}, {verdict})."
-            )
     if ranks:
         mean_rank = sorted((sum(v) / len(v), o) for o, v in ranks.items())
         out.append(
-            "- Mean rank over settings (1 = best final accuracy): "
+            "- Mean rank over settings (1 = best mean final accuracy; ranks ignore the CIs): "
             + ", ".join(f"{o} {r:.1f}" for r, o in mean_rank)
             + "."
         )
@@ -303,7 +401,9 @@ def write_report(
 ) -> Path:
     out = Path(grid.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "cells.csv", cells)
+    write_csv(
+        out / "cells.csv", [{k: v for k, v in c.items() if k != "final_per_prompt"} for c in cells]
+    )
     write_csv(
         out / "steps.csv",
         [
@@ -326,6 +426,7 @@ def write_report(
         ),
         plot_ratio_hist(out, grid, cells, steps),
         plot_final_vs_level(out, grid, cells),
+        plot_acc_vs_measured(out, grid, cells),
     ]
     ok = [c for c in cells if c["status"] == "ok"]
     n_steps = max((c["steps"] for c in ok), default=0)
@@ -346,10 +447,22 @@ def write_report(
             f"- `{k}` ({m.family}, level {m.level:g}): "
             + (", ".join(f"`{a}={b}`" for a, b in m.set.items()) or "base recipe as is")
         )
+    table, sentences = headline(grid, cells)
     md += ["", "## What it shows", ""]
     if grid.notes.strip():
-        md += [grid.notes.strip(), "", "Computed from the table below:", ""]
-    md += findings(grid, cells)
+        md += [grid.notes.strip(), "", "Computed from the tables below:", ""]
+    md += sentences + findings(grid, cells)
+    md += [
+        "",
+        "## Headline: P3O against the best baseline of each setting (paired, same seeds and "
+        "prompts)",
+        "",
+        "Differences in final held-out accuracy (greedy, trainer precision); 95% CI from a "
+        "two-level bootstrap (seeds, then prompts). A win or loss is called only when the "
+        "interval excludes 0. The best baseline is chosen per setting by its mean, after the "
+        "fact, which favours it slightly.",
+        "",
+    ] + table
     md += [
         "",
         "## Final held-out accuracy (mean ± half-range over seeds; best per column in bold)",

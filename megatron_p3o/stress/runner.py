@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -34,11 +35,23 @@ def summarize(
     acc_end: float,
     wall_s: float,
     status: str = "ok",
+    final_per_prompt: Optional[List[float]] = None,
 ) -> dict:
-    """One CSV row: the cell's settings and what its run showed."""
+    """One CSV row: the cell's settings and what its run showed. The measured mismatch is taken
+    twice: at the first optimizer step, before any update (``*_first``: what the rollout
+    precision/noise alone does), and averaged over every optimizer step of the run (``*_run``:
+    what the objective faced, reuse and staleness included)."""
 
     def col(k):
         return [m.get(k) for m in steps if isinstance(m.get(k), (int, float))]
+
+    per = [p for m in steps for p in m.get("per_step", [])]
+
+    def first(k):
+        return per[0].get(k, float("nan")) if per else float("nan")
+
+    def run(k):
+        return _mean([p.get(k) for p in per])
 
     r = col("reward_mean")
     return {
@@ -61,7 +74,17 @@ def summarize(
         "ratio_p99_mean": _mean(col("ratio_p99")),
         "staleness_mean": _mean(col("staleness_mean")),
         "grad_norm_mean": _mean(col("grad_norm")),
+        "abs_diff_first": first("abs_logprob_diff"),
+        "abs_diff_p99_first": first("abs_log_ratio_p99"),
+        "kl_b_theta_first": first("kl_behavior_theta"),
+        "abs_diff_run": run("abs_logprob_diff"),
+        "kl_b_theta_run": run("kl_behavior_theta"),
+        "k3_to_behavior_run": run("k3_to_behavior"),
+        "ess_step_min": min((p["ess"] for p in per if "ess" in p), default=float("nan")),
+        "clip_frac_run": run("clip_frac"),
+        "opt_steps": len(per),
         "wall_s": wall_s,
+        "final_per_prompt": final_per_prompt or [],
     }
 
 
@@ -93,14 +116,16 @@ def run_cell(
     steps: List[dict] = []
     trainer = Trainer(cfg, groups)
     try:
-        acc0 = trainer.evaluate(cfg.data.eval_path, grid.eval_limit)
+        acc0 = _start_accuracy(grid, cfg, trainer)
         for _ in range(cfg.steps):
             m = trainer.step()
             steps.append(m)
             if on_step:
                 on_step(m)
-        acc1 = trainer.evaluate(cfg.data.eval_path, grid.eval_limit)
-        summary = summarize(cell, steps, acc0, acc1, time.perf_counter() - t0)
+        acc1, per_prompt = trainer.evaluate_detail(cfg.data.eval_path, grid.eval_limit)
+        summary = summarize(
+            cell, steps, acc0, acc1, time.perf_counter() - t0, final_per_prompt=per_prompt
+        )
     except Exception as e:  # noqa: BLE001 - a broken configuration is a result, not a crash
         summary = summarize(
             cell,
@@ -119,6 +144,31 @@ def run_cell(
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(run_dir / SUMMARY)  # the marker appears whole or not at all
     return summary
+
+
+def _start_accuracy(grid: GridConfig, cfg: TrainConfig, trainer) -> float:
+    """The base model's held-out accuracy. Evaluated in the trainer's precision it is the same
+    for every cell of a grid (same checkpoint, greedy), so it is computed once and kept in
+    ``<work>/start_eval/`` (single-process cells, as ``--workers`` runs them); in the rollout
+    precision it depends on the cell and is not cached."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    if cfg.data.eval_precision != "trainer" or dist.get_world_size() > 1:  # one rank: no race
+        return trainer.evaluate(cfg.data.eval_path, grid.eval_limit)
+    key = json.dumps(
+        [cfg.model.checkpoint, cfg.data.eval_path, grid.eval_limit, cfg.model.params_dtype]
+    )
+    f = Path(grid.work) / "start_eval" / (hashlib.sha1(key.encode()).hexdigest()[:16] + ".json")
+    if f.is_file():
+        return float(json.loads(f.read_text())["acc"])
+    acc = trainer.evaluate(cfg.data.eval_path, grid.eval_limit)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "acc": acc}))
+    tmp.replace(f)  # workers may race: either write is the same number
+    return acc
 
 
 def finished(grid: GridConfig, cell: Cell) -> Optional[Dict]:
