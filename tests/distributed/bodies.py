@@ -112,6 +112,16 @@ def _split_microbatches(batch, groups, n_micro):
     return [{k: v[i * mb : (i + 1) * mb] for k, v in mine.items()} for i in range(n_micro)]
 
 
+def save_grads(chunks, out: str) -> None:
+    """Write each parameter's accumulated gradient (DDP ``main_grad``) into the parameter and
+    save it as a checkpoint: gradients then reshard to any layout like weights."""
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.copy_(p.main_grad)
+    save_model_state(chunks, out)
+
+
 def nll_loss_fn(groups, vocab_size, n_global):
     """Token-mean NLL over the whole step: each micro-batch returns its sum / global count."""
 
@@ -136,11 +146,7 @@ def layout_grads(groups, family: str, init: str, out: str, n_micro: int = 1):
     outs = forward_backward(
         ddp, groups, mbs, nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global)
     )
-    with torch.no_grad():
-        for c in chunks:
-            for p in c.parameters():
-                p.copy_(p.main_grad)
-    save_model_state(chunks, out)
+    save_grads(chunks, out)
     return {
         "tp_rank": groups.tp_rank,
         "cp_rank": groups.cp_rank,

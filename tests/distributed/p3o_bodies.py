@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from megatron_p3o.checkpoint import load_model_state, save_model_state
+from megatron_p3o.checkpoint import load_model_state
 from megatron_p3o.loss import build_objective
 from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
 from megatron_p3o.policy_update import LossConfig, PolicyUpdate
@@ -20,6 +20,7 @@ from .bodies import (
     grad_errors,
     make_batch,
     reference_logprobs,
+    save_grads,
 )
 
 RL_BATCH = 6
@@ -76,11 +77,7 @@ def p3o_grads(
         a_star = oapl_advantages(batch["rewards"], batch["group_ids"]).float()
         batch["advantages"] = a_star[:, None].expand(RL_BATCH, SEQ).clone()
     metrics = step.run(ddp, _split_microbatches(batch, groups, n_micro))
-    with torch.no_grad():
-        for c in chunks:
-            for p in c.parameters():
-                p.copy_(p.main_grad)
-    save_model_state(chunks, out)
+    save_grads(chunks, out)
     return metrics
 
 

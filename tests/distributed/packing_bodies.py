@@ -12,7 +12,7 @@ import math
 import torch
 
 from megatron_p3o.batching import BatchConfig, MicroBatcher
-from megatron_p3o.checkpoint import load_model_state, save_model_state
+from megatron_p3o.checkpoint import load_model_state
 from megatron_p3o.loss import build_objective
 from megatron_p3o.loss.oapl import oapl_advantages
 from megatron_p3o.model.forward import forward_backward
@@ -20,7 +20,7 @@ from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
 from megatron_p3o.policy_update import LossConfig, PolicyUpdate
 from megatron_p3o.types import Sample
 
-from .bodies import FAMILIES, _build, grad_errors
+from .bodies import FAMILIES, _build, grad_errors, save_grads
 
 BUDGET = 32  # tokens per packed micro-batch; also model.seq_length (the longest sample)
 N_SAMPLES = 8
@@ -78,11 +78,7 @@ def packed_step(
     )
     zero_grads(ddp)
     metrics = step.run(ddp, mbs)
-    with torch.no_grad():
-        for c in chunks:
-            for p in c.parameters():
-                p.copy_(p.main_grad)
-    save_model_state(chunks, out)
+    save_grads(chunks, out)
     shapes = [tuple(mb["tokens"].shape) for mb in mbs]
     return {"metrics": metrics, "stats": stats, "shapes": shapes}
 
