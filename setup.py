@@ -37,6 +37,8 @@ setup(
         # SGLang pins its own torch (2.14.1) and transformers: install it in a separate
         # environment (README: two environments); the trainer only talks to it over HTTP/NCCL.
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
-        "dev": ["pytest>=8", "ruff"],
+        # Weights & Biases logging (off by default; tests use its offline mode)
+        "wandb": ["wandb"],
+        "dev": ["pytest>=8", "ruff", "wandb"],
     },
 )

@@ -45,6 +45,8 @@ class BatchConfig:
         ``max_tokens_per_gpu`` is None: every sequence padded to ``model.seq_length``).
     max_tokens_per_gpu: token budget of one packed micro-batch (None = padded micro-batches).
     balance_dp: spread each optimizer step's tokens evenly over DP ranks (packed mode).
+    mask_truncated: completions cut by ``max_new_tokens`` (finish reason "length") get no loss:
+        their tokens leave the loss and its normalizer (they still count for advantages).
     """
 
     prompts_per_rollout: int = 64
@@ -53,6 +55,7 @@ class BatchConfig:
     micro_batch_size: int = 4
     max_tokens_per_gpu: Optional[int] = None
     balance_dp: bool = True
+    mask_truncated: bool = False
 
     def __post_init__(self):
         if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
@@ -74,9 +77,14 @@ def _sequence(s: Sample, seq_length: int, name: int) -> List[int]:
 
 
 def _response(
-    samples: Sequence[Sample], advantages: Sequence[float], starts: Sequence[int], ids
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    starts: Sequence[int],
+    ids,
+    mask_truncated: bool = False,
 ) -> Dict[str, torch.Tensor]:
-    """The ``[n, L]`` loss-side tensors of sequences starting at flattened ``starts``."""
+    """The ``[n, L]`` loss-side tensors of sequences starting at flattened ``starts``; with
+    ``mask_truncated`` a completion that hit the length budget keeps mask 0."""
     n = len(samples)
     longest = max([len(s.completion_ids) for s in samples] + [1])
     mask = torch.zeros(n, longest)  # host
@@ -85,7 +93,7 @@ def _response(
     index = torch.zeros(n, longest, dtype=torch.long)  # host
     for i, (s, a, start) in enumerate(zip(samples, advantages, starts)):
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        if c:
+        if c and not (mask_truncated and s.finish_reason == "length"):
             mask[i, :c] = 1.0
             blp[i, :c] = torch.tensor(s.logprobs)  # host
             adv[i, :c] = float(a)
@@ -106,6 +114,7 @@ def padded_microbatches(
     micro_batch_size: int,
     pad_id: int = 0,
     first_index: int = 0,
+    mask_truncated: bool = False,
 ) -> List[MicroBatch]:
     """Samples (in order) in micro-batches of ``micro_batch_size`` rows of ``seq_length``."""
     if len(samples) % micro_batch_size:
@@ -128,7 +137,7 @@ def padded_microbatches(
             {
                 "tokens": tokens,
                 "targets": targets,
-                "response": _response(part, adv[k : k + len(part)], starts, ids),
+                "response": _response(part, adv[k : k + len(part)], starts, ids, mask_truncated),
             }
         )
     return out
@@ -143,6 +152,7 @@ def packed_microbatch(
     align: int = 1,
     multiple: int = 1,
     pad_to: int = 0,
+    mask_truncated: bool = False,
 ) -> MicroBatch:
     """One ``[1, T]`` row: the samples back to back, each padded to a multiple of ``align``,
     plus one unscored filler sequence up to a multiple of ``multiple`` (and ``pad_to``)."""
@@ -169,7 +179,7 @@ def packed_microbatch(
         "targets": targets,
         "position_ids": position_ids,
         "cu_seqlens": torch.tensor(starts, dtype=torch.int32),  # host
-        "response": _response(samples, advantages, starts[: len(samples)], ids),
+        "response": _response(samples, advantages, starts[: len(samples)], ids, mask_truncated),
     }
 
 
@@ -230,7 +240,7 @@ class MicroBatcher:
             if self.cfg.max_tokens_per_gpu is None:
                 mbs = padded_microbatches(
                     samples[sl], adv[sl], self.seq_length, self.cfg.micro_batch_size,
-                    self.pad_id, m * per,
+                    self.pad_id, m * per, self.cfg.mask_truncated,
                 )  # fmt: skip
                 st = {}
                 real = real_tokens(samples[sl])
@@ -275,6 +285,7 @@ class MicroBatcher:
                     self.align,
                     self.multiple,
                     pad_to,
+                    self.cfg.mask_truncated,
                 )  # fmt: skip
             )
         st["oversize_samples"] = float(oversize)

@@ -23,6 +23,7 @@ from .advantage import AdvantageConfig
 from .batching import BatchConfig
 from .checkpoint import CheckpointConfig
 from .errors import UserError
+from .evaluation import EvalConfig
 from .model.builder import ModelConfig
 from .optim import OptimConfig
 from .parallel import ParallelConfig
@@ -31,6 +32,7 @@ from .replay import ReplayConfig
 from .reward.registry import RewardConfig
 from .rollout.config import RolloutConfig
 from .rollout.prompts import DataConfig
+from .run_log import WandbConfig
 
 
 class ConfigError(UserError, ValueError):
@@ -66,6 +68,8 @@ class TrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     steps: int = 100
 
     def validate(self, world_size: int) -> "TrainConfig":
@@ -275,7 +279,8 @@ def _coerce(path: str, value: Any, tp) -> Any:
     if origin in (dict, Dict):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return dict(value)
+        inner = args[1] if len(args) == 2 else Any
+        return {k: _coerce(f"{path}.{k}", v, inner) for k, v in value.items()}
     if origin in (tuple, Tuple, list, List):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")

@@ -29,3 +29,9 @@ def accuracy_table(cfg, acc: Dict[int, float]):
     for k, v in acc.items():
         t.add_row(str(k), f"{v:.3f}")
     return t
+
+
+def eval_line(step: int, metrics: dict) -> str:
+    """One line per evaluation: every set's pass@k / greedy accuracy."""
+    parts = [f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if "prompts" not in k]
+    return f"eval @ step {step}: " + ", ".join(parts)

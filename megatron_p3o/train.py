@@ -27,6 +27,7 @@ def main(argv=None) -> int:
 
         world = a.world_size or cfg.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         return dry_run(a.recipe, cfg, world, a.gpu_gib)
+    import torch
     import torch.distributed as dist
     from rich.console import Console
 
@@ -44,11 +45,11 @@ def main(argv=None) -> int:
     con.print(f"layout {groups.layout}; {cfg.batch_arithmetic(groups.layout.dp)}")
     r = cfg.rollout
     if r.logprob_noise or r.logit_noise or r.engine_temperature is not None:
-        con.print(
-            f"[yellow]stress injection on: logprob_noise={r.logprob_noise}, logit_noise="
-            f"{r.logit_noise}, engine T={r.engine_temperature} (trainer T="
-            f"{r.sampling.temperature})"
-        )
+        con.print(f"[yellow]stress injection on: {r.logprob_noise=} {r.logit_noise=} "
+                  f"{r.engine_temperature=} (trainer T={r.sampling.temperature})")  # fmt: skip
+    if r.deterministic:  # the zero-mismatch control (GPU-unverified; README)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     trainer = Trainer(cfg, groups)
     try:
         return _train(cfg, trainer, con)
@@ -60,7 +61,8 @@ def _train(cfg, trainer, con) -> int:
     from rich.progress import Progress
 
     from megatron_p3o.checkpoint import latest_checkpoint
-    from megatron_p3o.console import accuracy_table, step_line
+    from megatron_p3o.console import accuracy_table, eval_line, step_line
+    from megatron_p3o.evaluation import sets_due
 
     acc, d = {}, cfg.data
     if trainer.resumed_from is not None:
@@ -77,6 +79,8 @@ def _train(cfg, trainer, con) -> int:
             if d.eval_path and d.eval_every and m["step"] % d.eval_every == 0:
                 acc[m["step"]] = trainer.evaluate(d.eval_path)
                 con.print(f"held-out accuracy at step {m['step']}: {acc[m['step']]:.3f}")
+            if sets_due(cfg.eval, m["step"], m["step"] == cfg.steps):
+                con.print(eval_line(m["step"], trainer.evaluate_sets()))
     if d.eval_path:
         acc[trainer.step_idx] = trainer.evaluate(d.eval_path)
     ckpt = latest_checkpoint(trainer.run_dir)

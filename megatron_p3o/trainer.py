@@ -9,7 +9,6 @@ batch (sync, lagged every L, async with staleness ≤ K) is the rollout schedule
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
@@ -35,10 +34,12 @@ from .parallel import ParallelGroups
 from .policy_update import PolicyUpdate
 from .replay import ReplayBuffer
 from .reward import build_reward, score_samples
+from .reward.overlong import dapo_overlong_reward
 from .rollout.backend import build_backend
 from .rollout.config import RolloutShard
 from .rollout.engine import check_behavior_semantics
 from .rollout.prompts import PromptData, all_rows, remap_states
+from .run_log import RunLog
 from .types import SamplingParams, TrainBatch
 from .weight_sync.source import TrainerWeights
 
@@ -48,7 +49,8 @@ _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 class Trainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups):
         self.cfg, self.groups = cfg, groups
-        self.tb = self.rollout = None
+        self.log = self.rollout = None
+        self._eval_sets: Dict[str, list] = {}
         try:
             self._build(cfg, groups)
         except BaseException:
@@ -100,18 +102,16 @@ class Trainer:
         self.sched = build_scheduler(self.opt, cfg.optim)
 
     def _open_run(self, cfg: TrainConfig, groups: ParallelGroups) -> List[dict]:
-        """The run directory (config.json, TensorBoard on rank 0) and, when it holds a
-        checkpoint, the resume; returns pending re-evaluation requests of this DP rank."""
+        """The run directory (config.json, metrics.jsonl, TensorBoard, W&B on rank 0) and, when
+        it holds a checkpoint, the resume; returns pending re-evaluation requests of this DP
+        rank."""
         self.step_idx = 0
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.rank0 = groups.rank == 0
-        if self.rank0:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.resumed_from = latest_checkpoint(self.run_dir)
+        self.log = RunLog(
+            self.run_dir, to_dict(cfg), cfg.wandb, self.rank0, self.resumed_from is not None
+        )
         if self.resumed_from is None:
             return []
         # the same command again continues the run
@@ -175,7 +175,13 @@ class Trainer:
 
     def _score(self, samples, answers) -> List[float]:
         texts = [self._decode(s.completion_ids) for s in samples]
-        return score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
+        rewards = score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
+        ol = self.cfg.reward.overlong
+        if ol is not None:  # DAPO's soft over-long penalty, added to the task reward
+            lens = torch.tensor([len(s.completion_ids) for s in samples])  # host
+            pen = dapo_overlong_reward(lens, ol.max_len, ol.cache).tolist()
+            rewards = [r + p for r, p in zip(rewards, pen)]
+        return rewards
 
     def _advantages(self, batch: TrainBatch) -> torch.Tensor:
         """The objective's own advantages (OAPL's A*) or the configured group baseline."""
@@ -210,6 +216,8 @@ class Trainer:
         trained = self.step_idx - 1
         stale = torch.tensor([float(trained - s.weight_version) for s in batch.samples])  # host
         toks = sum(len(s.completion_ids) for s in batch.samples)
+        lens = [len(s.completion_ids) for s in batch.samples]
+        cut = sum(s.finish_reason == "length" for s in batch.samples)
         n_steps = b.epochs * b.minibatches
         out = {
             "step": self.step_idx,
@@ -217,6 +225,8 @@ class Trainer:
             **seconds,
             "reward_mean": float(batch.rewards.mean()),
             "completion_len": toks / len(batch.samples),
+            "completion_len_max": float(max(lens)),
+            "truncation_rate": cut / len(batch.samples),
             "train_tok_per_s": n_steps
             * metrics.get("n_tokens", 0.0)
             / max(seconds["train_s"], 1e-9),
@@ -227,13 +237,7 @@ class Trainer:
         }
         self._reduce_rollout_metrics(out)
         out["rollout_tok_per_s"] = out["rollout_tokens"] / max(out["rollout_s"], 1e-9)
-        if self.rank0:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(out) + "\n")
-            for k, v in out.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"train/{k}", v, self.step_idx)
-            self.tb.flush()
+        self.log.log(self.step_idx, {k: v for k, v in out.items() if k != "step"})
         return out
 
     _DP_SUMS = (
@@ -243,7 +247,14 @@ class Trainer:
         "replay_groups",
         "homogeneous_groups",
     )
-    _DP_MEANS = ("reward_mean", "completion_len", "staleness_mean", "rollout_s", "rollout_wait_s")
+    _DP_MEANS = (
+        "reward_mean",
+        "completion_len",
+        "truncation_rate",
+        "staleness_mean",
+        "rollout_s",
+        "rollout_wait_s",
+    )
 
     def _reduce_rollout_metrics(self, out: Dict[str, float]) -> None:
         """Rollout-side numbers of the whole step: each DP rank rolled out and scored its own
@@ -258,9 +269,12 @@ class Trainer:
         for k, v in zip(keys, t.tolist()):
             if k in out:
                 out[k] = v if k in self._DP_SUMS else v / dp
-        m = torch.tensor([out["staleness_max"]], dtype=torch.float64, device=dev)
+        m = torch.tensor(
+            [out["staleness_max"], out["completion_len_max"]], dtype=torch.float64, device=dev
+        )
+        # DP group: the step's longest staleness and completion over every rank's samples.
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        out["staleness_max"] = float(m)
+        out["staleness_max"], out["completion_len_max"] = m.tolist()
 
     # -- evaluation, checkpoints, teardown ------------------------------------------------------
     def evaluate(self, path: str, limit: int = 0) -> float:
@@ -293,10 +307,35 @@ class Trainer:
             dist.all_reduce(score, group=self.groups.dp)
         per_prompt = score.tolist()
         acc = sum(per_prompt) / max(len(per_prompt), 1)
-        if self.tb is not None:
-            self.tb.add_scalar("eval/heldout_accuracy", acc, self.step_idx)
-            self.tb.flush()
+        self.log.log(self.step_idx, {"eval/heldout_accuracy": acc}, jsonl="eval.jsonl")
         return acc, per_prompt
+
+    # -- evaluation sets (megatron_p3o.evaluation) -----------------------------------------------
+    def eval_rows(self, name: str, cfg) -> list:
+        """The set's (prompt ids, answer) rows, read once."""
+        from .evaluation import load_set
+
+        if name not in self._eval_sets:
+            self._eval_sets[name] = load_set(cfg, self.tok, self.cfg.data.chat_template, name)
+        return self._eval_sets[name]
+
+    def generate_eval(self, prompts, sampling: SamplingParams):
+        """One completion per prompt with the current weights, in ``data.eval_precision``."""
+        precision = None
+        if self.cfg.data.eval_precision == "trainer":
+            precision = _PRECISION_OF[self.cfg.model.params_dtype]
+        return self.rollout.evaluate(prompts, sampling, self.step_idx, precision)
+
+    def decode(self, ids: List[int]) -> str:
+        return self._decode(ids)
+
+    def evaluate_sets(self) -> Dict[str, float]:
+        """Every ``eval.sets`` entry: pass@k, mean pass@1, greedy accuracy (all ranks); logged."""
+        from .evaluation import evaluate_sets
+
+        metrics = evaluate_sets(self, self.cfg.eval)
+        self.log.log(self.step_idx, metrics, jsonl="eval.jsonl")
+        return metrics
 
     def save_checkpoint(self) -> Path:
         """Model, optimizer, scheduler, RNG, step, and per DP rank: the data cursor of the next
@@ -344,6 +383,6 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None

@@ -90,15 +90,3 @@ def clip_terms(inp: LossInputs, stats: StepStats, h: ClipConfig):
     if h.aggregation == "seq_mean_token_mean":
         return seq_mean_of_token_terms(per_tok, m), metrics
     return (per_tok * m).sum(), metrics
-
-
-def dapo_overlong_reward(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
-    """DAPO's soft overlong shaping ``R_len [B]``: 0 up to L_max − L_cache, then linear to −1
-    at L_max."""
-    safe = max_len - cache_len
-    pen = (safe - lengths.float()) / cache_len
-    return torch.where(
-        lengths <= safe,
-        torch.zeros_like(pen),
-        torch.where(lengths <= max_len, pen, -torch.ones_like(pen)),
-    )

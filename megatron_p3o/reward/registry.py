@@ -9,19 +9,22 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Literal, Sequence
+from typing import Callable, List, Literal, Optional, Sequence
 
 from ..errors import UserError
+from .overlong import OverlongConfig
 
 RewardFn = Callable[[str, str], float]
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Attributes: kind (math_verify, exact_match, python) and function ("module:callable")."""
+    """Attributes: kind (math_verify, exact_match, python), function ("module:callable") and
+    overlong (DAPO's soft over-long penalty added to the reward; None = off)."""
 
     kind: Literal["math_verify", "exact_match", "python"] = "math_verify"
     function: str = ""
+    overlong: Optional[OverlongConfig] = None
 
 
 class RewardError(UserError, ValueError):

@@ -204,8 +204,9 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
 
     inner = None
     if groups.rank == 0:
-        router = SGLangEngine(cfg.sglang)
-        workers = [SGLangEngine(replace(cfg.sglang, url=u)) for u in cfg.sglang_workers]
+        sg = replace(cfg.sglang, deterministic=cfg.sglang.deterministic or cfg.deterministic)
+        router = SGLangEngine(sg)
+        workers = [SGLangEngine(replace(sg, url=u)) for u in cfg.sglang_workers]
         inner = SGLangFleet(router, workers or [router]).start()
         try:
             if cfg.weight_sync == "nccl":

@@ -35,6 +35,10 @@ class RolloutConfig:
         logits before sampling; ℓb are the exact log-probs of that perturbed distribution.
     engine_temperature: stress tests only — let the engine sample at another temperature
         than the trainer's ``sampling.temperature`` (None: the same, as it must be).
+    deterministic: a zero-mismatch control on GPUs: SGLang's deterministic inference
+        (``--enable-deterministic-inference``) and the trainer's deterministic algorithms
+        (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``). GPU-unverified.
+        On CPU the control is ``precision: fp32`` with the embedded engine.
     sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
     weight_sync: how weights reach SGLang — "nccl" (update_weights_from_distributed,
         disaggregated GPUs), "colocated" (CUDA IPC, same GPUs) or "disk" (fallback).
@@ -58,6 +62,7 @@ class RolloutConfig:
     logprob_noise: float = 0.0
     logit_noise: float = 0.0
     engine_temperature: Optional[float] = None
+    deterministic: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     weight_sync: Literal["nccl", "colocated", "disk"] = "nccl"
     weight_sync_dir: str = ""

@@ -88,14 +88,7 @@ class PromptData:
         return torch.randperm(n, generator=g).tolist()
 
     def encode(self, text: str) -> List[int]:
-        if self.chat:
-            return self.tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-        ids = self.tok.encode(text, add_special_tokens=False)
-        return (
-            [self.tok.bos_token_id] if self.add_bos and self.tok.bos_token_id is not None else []
-        ) + ids
+        return encode_prompt(self.tok, text, self.chat, self.add_bos)
 
     def _shard_len(self) -> int:
         n = len(self._order)
@@ -150,6 +143,17 @@ def remap_states(states: List[Dict[str, int]], new_dp: int) -> List[Dict[str, in
     epoch, pos = min((int(s["epoch"]), int(s["pos"])) for s in states)
     start = pos * old_dp
     return [{"epoch": epoch, "pos": start // new_dp, "dp": new_dp} for _ in range(new_dp)]
+
+
+def encode_prompt(tok, text: str, chat: bool = False, add_bos: bool = True) -> List[int]:
+    """Prompt ids: through the tokenizer's chat template (a user turn, generation prompt
+    added), or the plain text after BOS."""
+    if chat:
+        return tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+    ids = tok.encode(text, add_special_tokens=False)
+    return ([tok.bos_token_id] if add_bos and tok.bos_token_id is not None else []) + ids
 
 
 def all_rows(

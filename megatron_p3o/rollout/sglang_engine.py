@@ -102,6 +102,7 @@ class SGLangConfig:
     max_concurrency: concurrent /generate requests.
     max_restarts: restarts of a launched server that died (then a clear error).
     max_retries: retries of one request after a connection failure.
+    deterministic: ``--enable-deterministic-inference`` (also set by ``rollout.deterministic``).
     extra_args: more ``sglang.launch_server`` arguments.
     """
 

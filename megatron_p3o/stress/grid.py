@@ -128,7 +128,9 @@ def cell_config(grid: GridConfig, cell: Cell, world_size: int = 0) -> TrainConfi
     """The cell's full, validated configuration (run directory under ``grid.work``), for
     ``world_size`` ranks (0 = the grid's ``world_size``)."""
     world_size = world_size or grid.world_size
-    cfg = load_config(grid.base, cell.overrides + [f"run.dir={grid.work}", f"run.name={cell.id}"])
+    # with W&B on, the cells of a grid are runs of one group, each named after its cell
+    run = [f"run.dir={grid.work}", f"run.name={cell.id}", f"wandb.group={grid.name}"]
+    cfg = load_config(grid.base, cell.overrides + run)
     try:
         return cfg.validate(world_size)
     except ConfigError as e:

@@ -114,6 +114,7 @@ def test_stress_grid_cells_are_valid_recipes(monkeypatch):
             cfg = cell_config(grid, c)
             assert cfg.loss.objective == grid.objectives[c.objective].objective
             assert cfg.run.seed == c.seed
+            assert cfg.wandb.group == grid.name and cfg.run.name == c.id
 
 
 def test_grid_errors_name_the_key(tmp_path, monkeypatch):

@@ -383,3 +383,24 @@ def test_a_restart_mid_rollout_never_mislabels_samples():
             eng.generate([[1]] * 8, 1, SamplingParams(max_new_tokens=2))
     finally:
         srv.close()
+
+
+def test_every_launch_flag_is_a_server_argument_of_the_pinned_release():
+    """Each flag ``server_args`` can emit (everything switched on, ``rollout.deterministic``
+    included) is an annotated server-argument field of the pinned release."""
+    import re
+
+    from megatron_p3o.rollout.sglang_engine import SGLangConfig, server_args
+
+    cfg = SGLangConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3", deterministic=True)
+    flags = [a[2:].replace("-", "_") for a in server_args(cfg) if a.startswith("--")]
+    assert "enable_deterministic_inference" in flags
+    with zipfile.ZipFile(_wheel()) as z:
+        text = "\n".join(
+            z.read(n).decode()
+            for n in z.namelist()
+            if n.startswith("sglang/srt/") and ("arg" in n) and n.endswith(".py")
+        )
+    fields = set(re.findall(r"^\s+(\w+)\s*:", text, re.M))
+    missing = [f for f in flags if f not in fields]
+    assert not missing, f"not server arguments of sglang {PINNED}: {missing}"

@@ -1,0 +1,126 @@
+"""Where a run's numbers go: metrics.jsonl, TensorBoard and (optionally) Weights & Biases.
+
+Why one module: every scalar the trainer reports reaches every sink under the same name, on
+global rank 0 only. W&B is an optional extra (``pip install .[wandb]``), imported lazily and off
+by default; ``mode: offline`` needs no network (``wandb sync`` uploads later) and is what the
+tests use. The W&B run id is kept in the run directory, so the same command after a checkpoint
+resume continues the same W&B run. Histograms (the per-step log-ratio histogram) go to W&B as
+histograms; lists are kept out of TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Literal, Optional
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Attributes:
+    enabled: log to W&B as well (needs the ``wandb`` extra).
+    mode: "online", "offline" (files under ``dir``; ``wandb sync`` later) or "disabled".
+    project / entity / group / name / tags: the W&B run's identity (name defaults to
+        ``run.name``; a stress grid sets group = the grid's name, name = the cell).
+    dir: where W&B writes its files (default: the run directory).
+    """
+
+    enabled: bool = False
+    mode: Literal["online", "offline", "disabled"] = "online"
+    project: str = "megatron-p3o"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    dir: str = ""
+
+
+# log-ratio histogram of metrics.jsonl: 200 bins over log ρ ∈ [−2, 2] (see policy_update)
+_HIST_RANGE = 2.0
+
+
+class RunLog:
+    """Rank 0's sinks; on other ranks every call is a no-op."""
+
+    def __init__(
+        self, run_dir: Path, config: dict, wandb: WandbConfig, active: bool, resumed: bool
+    ):
+        self.run_dir, self.active = run_dir, active
+        self.tb = self.wb = None
+        if not active:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb.enabled and wandb.mode != "disabled":
+            self.wb = _start_wandb(run_dir, config, wandb, resumed)
+
+    def log(self, step: int, metrics: Dict, prefix: str = "train/", jsonl: str = "") -> None:
+        """One record: a line of ``jsonl`` (everything; default metrics.jsonl, one line per
+        trainer step — evaluations go to eval.jsonl), scalars to TensorBoard and W&B,
+        ``log_ratio_hist`` as a W&B histogram."""
+        if not self.active:
+            return
+        record = {"step": step, **metrics}
+        with open(self.run_dir / (jsonl or "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        scalars = {
+            (k if "/" in k else prefix + k): float(v)
+            for k, v in metrics.items()
+            if k != "step" and isinstance(v, (int, float))
+        }
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+        if self.wb is not None:
+            payload = dict(scalars)
+            hist = metrics.get("log_ratio_hist")
+            if hist:
+                payload[prefix + "log_ratio_hist"] = _wandb_hist(hist)
+            self.wb.log(payload, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wb is not None:
+            self.wb.finish()
+            self.wb = None
+
+
+def _wandb_hist(counts: List[float]):
+    import wandb
+
+    n = len(counts)
+    edges = [-_HIST_RANGE + 2 * _HIST_RANGE * i / n for i in range(n + 1)]
+    return wandb.Histogram(np_histogram=(counts, edges))
+
+
+def _start_wandb(run_dir: Path, config: dict, cfg: WandbConfig, resumed: bool):
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(
+            "wandb.enabled=true needs the wandb extra: pip install -e '.[wandb]'"
+        ) from None
+    id_file = run_dir / "wandb_id.txt"
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+    run = wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        group=cfg.group,
+        name=cfg.name or run_dir.name,
+        tags=list(cfg.tags),
+        dir=cfg.dir or str(run_dir),
+        mode=cfg.mode,
+        config=config,
+        id=run_id,
+        resume="allow" if run_id else None,
+    )
+    id_file.write_text(run.id)
+    return run
