@@ -68,4 +68,16 @@ def test_eval_sets_reach_jsonl_tensorboard_and_wandb(base, tmp_path):
     data = wb.read_bytes()
     for k in keys | {"train/loss", "train/ess", "train/log_ratio_hist"}:
         assert k.encode() in data, k
-    assert (run / "wandb_id.txt").read_text().strip() in wb.name
+    run_id = (run / "wandb_id.txt").read_text().strip()
+    assert run_id in wb.name
+    # the same command with more steps resumes from the checkpoint and the same W&B run
+    more = [c if c != "steps=2" else "steps=3" for c in cmd]
+    r = subprocess.run(more, capture_output=True, text=True, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    assert (run / "wandb_id.txt").read_text().strip() == run_id
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(run_id in f.name for f in files)
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [
+        1, 2, 3,
+    ]  # fmt: skip
