@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -80,23 +79,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def load_set(cfg: EvalSetConfig, tokenizer, chat_template: bool, name: str):
     """Rows ``(prompt ids, answer)`` of one set, through ``datasets``."""
-    import datasets
+    from .rollout.prompts import encode_prompt, read_dataset
 
-    from .rollout.prompts import encode_prompt
-
-    p = Path(cfg.path)
-    try:
-        if p.is_file():
-            kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(p.suffix)
-            if kind is None:
-                raise DataError(f"eval set {name!r}: {p} is not .jsonl/.json/.parquet")
-            ds = datasets.load_dataset(kind, data_files=str(p), split="train")
-        else:
-            ds = datasets.load_dataset(cfg.path, split=cfg.split)
-    except DataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a missing file or hub name, said in one line
-        raise DataError(f"eval set {name!r}: cannot read {cfg.path!r}: {e}") from None
+    ds = read_dataset(cfg.path, cfg.split, f"eval.sets.{name}.path")
     for key in (cfg.prompt_key, cfg.answer_key):
         if key not in ds.column_names:
             raise DataError(f"eval set {name!r}: no column {key!r} in {ds.column_names}")

@@ -78,7 +78,7 @@ class Trainer:
         self.data = PromptData(
             d.path, self.tok, prompt_key=d.prompt_key, answer_key=d.answer_key,
             chat_template=d.chat_template, shuffle=d.shuffle, seed=cfg.run.seed,
-            dp_rank=groups.dp_rank, dp_size=groups.layout.dp,
+            dp_rank=groups.dp_rank, dp_size=groups.layout.dp, split=d.split,
         )  # fmt: skip
         self.reward_fn = build_reward(cfg.reward.kind, cfg.reward.function)
         self.replay = ReplayBuffer(cfg.replay)

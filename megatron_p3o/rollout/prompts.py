@@ -1,4 +1,5 @@
-"""Prompt data: local jsonl/parquet through ``datasets``, DP-sharded, with a resumable cursor.
+"""Prompt data: local jsonl/parquet or a hub dataset through ``datasets``, DP-sharded, with a
+resumable cursor.
 
 Every epoch is a seeded permutation of the whole file; DP rank r takes every dp-th prompt of the
 global order (its k-th prompt of an epoch is ``order[k·dp + r]``), so the shards are disjoint and
@@ -21,13 +22,15 @@ from ..errors import CheckpointError, DataError, InputFileError
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Attributes: path (jsonl/parquet), eval_path (held-out set, optional), prompt_key,
+    """Attributes: path (a jsonl/json/parquet file, or a hub dataset name on a cluster, with
+    ``split``), eval_path (held-out set, optional), prompt_key,
     answer_key, chat_template, shuffle, eval_every (steps; 0 = only at start and end),
     eval_precision ("trainer": a second embedded engine in ``model.params_dtype``, so scores
     measure the policy and not the rollout precision; "rollout": the rollout engine itself;
     SGLang always evaluates on its server)."""
 
     path: str = ""
+    split: str = "train"
     eval_path: str = ""
     eval_every: int = 0
     eval_precision: Literal["trainer", "rollout"] = "trainer"
@@ -58,17 +61,9 @@ class PromptData:
         dp_rank: int = 0,
         dp_size: int = 1,
         add_bos: bool = True,
+        split: str = "train",
     ):
-        p = Path(path)
-        if not p.is_file():
-            raise InputFileError(f"data.path={path!r} does not exist")
-        import datasets
-        from datasets import load_dataset
-
-        datasets.disable_progress_bars()  # "Generating train split" bars on every rank and file
-
-        kind = "parquet" if p.suffix == ".parquet" else "json"
-        ds = load_dataset(kind, data_files=str(p), split="train")
+        ds = read_dataset(path, split)
         for key in (prompt_key, answer_key):
             if key not in ds.column_names:
                 raise DataError(f"{path}: no column {key!r} (columns: {ds.column_names})")
@@ -143,6 +138,27 @@ def remap_states(states: List[Dict[str, int]], new_dp: int) -> List[Dict[str, in
     epoch, pos = min((int(s["epoch"]), int(s["pos"])) for s in states)
     start = pos * old_dp
     return [{"epoch": epoch, "pos": start // new_dp, "dp": new_dp} for _ in range(new_dp)]
+
+
+def read_dataset(path: str, split: str = "train", key: str = "data.path"):
+    """A local ``.jsonl``/``.json``/``.parquet`` file, or else a hub dataset (or a local dataset
+    directory) named ``path``, its ``split`` — through ``datasets``."""
+    import datasets
+
+    datasets.disable_progress_bars()  # "Generating train split" bars on every rank and file
+    p = Path(path)
+    if p.suffix in (".jsonl", ".json", ".parquet"):
+        if not p.is_file():
+            raise InputFileError(f"{key}={path!r} does not exist")
+        kind = "parquet" if p.suffix == ".parquet" else "json"
+        return datasets.load_dataset(kind, data_files=str(p), split="train")
+    try:
+        return datasets.load_dataset(path, split=split)
+    except Exception as e:  # noqa: BLE001 - no network, a typo, a gated set: one line
+        raise InputFileError(
+            f"{key}={path!r} is neither a .jsonl/.json/.parquet file nor a readable dataset "
+            f"(split {split!r}): {type(e).__name__}: {str(e)[:200]}"
+        ) from None
 
 
 def encode_prompt(tok, text: str, chat: bool = False, add_bos: bool = True) -> List[int]:

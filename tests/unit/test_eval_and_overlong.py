@@ -89,3 +89,30 @@ def test_eval_sets_config_is_strict(tmp_path):
         load_config(None, ["eval.sets={a: {path: x.jsonl, nn: 5}}"])
     with pytest.raises(ConfigError, match=r"k=\[8\]"):
         load_config(None, ["eval.sets={a: {path: x.jsonl, n: 5, k: [8]}}"])
+
+
+def test_dataset_names_go_through_datasets(tmp_path, monkeypatch):
+    """A name that is not a .jsonl/.json/.parquet file goes to ``datasets.load_dataset`` like a
+    hub dataset (here a local dataset repository: a folder of data files, as on the hub); an
+    unreadable one is one clear error naming the key."""
+    import json
+
+    import datasets
+
+    from megatron_p3o.errors import InputFileError
+    from megatron_p3o.rollout.prompts import read_dataset
+
+    # no hub round trips from a test machine (CI reaches package registries only)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+
+    repo = tmp_path / "org_math"
+    repo.mkdir()
+    rows = [{"problem": f"{i}+1", "solution": str(i + 1)} for i in range(5)]
+    (repo / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = read_dataset(str(repo), "train")
+    assert ds["problem"] == [r["problem"] for r in rows]
+    with pytest.raises(InputFileError, match=r"eval.sets.x.path='no/such-set-here'"):
+        read_dataset("no/such-set-here", "train", "eval.sets.x.path")
+    with pytest.raises(InputFileError, match="does not exist"):
+        read_dataset(str(tmp_path / "missing.jsonl"))
