@@ -36,6 +36,18 @@ def write_csv(path: Path, rows: Sequence[dict]) -> None:
     tmp.replace(path)
 
 
+def _save(fig, path: Path, title: str = "") -> Path:
+    """Title, layout, PNG at 110 dpi, figure closed."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _finite(xs):
     return [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
 
@@ -110,12 +122,8 @@ def plot_curves(
     for j in range(len(mms), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{grid.name}: {ylabel} (mean over seeds, {smooth}-step moving average)")
-    fig.tight_layout()
-    path = out / fname
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    title = f"{grid.name}: {ylabel} (mean over seeds, {smooth}-step moving average)"
+    return _save(fig, out / fname, title)
 
 
 def plot_ratio_hist(
@@ -148,11 +156,7 @@ def plot_ratio_hist(
     ax.set_title(f"{grid.name}: train/rollout log-ratio, objective {obj}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out / "ratio_hist.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "ratio_hist.png")
 
 
 def plot_final_vs_level(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
@@ -202,12 +206,11 @@ def plot_final_vs_level(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
         ax.set_ylabel("final held-out accuracy")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{grid.name}: final accuracy vs mismatch (bars: min–max over seeds)")
-    fig.tight_layout()
-    path = out / "final_acc_vs_mismatch.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(
+        fig,
+        out / "final_acc_vs_mismatch.png",
+        f"{grid.name}: final accuracy vs mismatch (bars: min–max over seeds)",
+    )
 
 
 def _is_p3o(name: str) -> bool:
@@ -346,12 +349,11 @@ def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path
     for j in range(len(fams), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
     axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{grid.name}: accuracy vs measured mismatch (bands: bootstrap 95% CI)")
-    fig.tight_layout()
-    path = out / "acc_vs_measured_mismatch.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(
+        fig,
+        out / "acc_vs_measured_mismatch.png",
+        f"{grid.name}: accuracy vs measured mismatch (bands: bootstrap 95% CI)",
+    )
 
 
 def _table(grid: GridConfig, cells: List[dict], key: str, fmt: str) -> List[str]:
