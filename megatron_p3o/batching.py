@@ -263,12 +263,11 @@ class MicroBatcher:
             mine, st = [(off + i, it) for i, it in enumerate(items)], {}
         lens = [self.token_cost(it[0]) for _, it in mine]
         budget = self.cfg.max_tokens_per_gpu
-        bins, _ = pack_by_budget(lens, budget)
-        count = len(bins)
+        bins, oversize = pack_by_budget(lens, budget)
         if self.equal_counts:
-            count = agree_on_count(count, g.dp, g.device)
-            bins, _ = pack_by_budget(lens, budget, min_count=count)
-        oversize = sum(1 for n in lens if n > budget)
+            count = agree_on_count(len(bins), g.dp, g.device)
+            if count != len(bins):
+                bins, oversize = pack_by_budget(lens, budget, min_count=count)
         pad_to = 0
         if g.layout.pp_enabled:  # one activation shape for the whole pipeline schedule
             pad_to = max(_round_up(max(sum(lens[i] for i in b), 1), self.multiple) for b in bins)

@@ -121,9 +121,7 @@ def evaluate_sets(trainer, cfg: EvalConfig) -> Dict[str, float]:
             t[i, 0] += float(reward(trainer.decode(smp.completion_ids), rows[i][1]))
             t[i, 1] += 1
         if s.greedy:
-            gp = SamplingParams(
-                temperature=1.0, top_k=1, max_new_tokens=budget, stop_token_ids=stops, seed=0
-            )
+            gp = trainer.greedy_sampling(budget)
             for i, smp in zip(mine, trainer.generate_eval(prompts, gp) if prompts else []):
                 t[i, 2] = float(reward(trainer.decode(smp.completion_ids), rows[i][1]))
         if g.layout.dp_enabled:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 LOG_HIST_RANGE = 8.0  # log-ratio histogram covers [-8, 8]
 LOG_HIST_BINS = 1600  # bin width 0.01 in log space (≈1% in ratio)
+COARSE_HIST_RANGE = 2.0  # coarse_hist (metrics.jsonl's log_ratio_hist) covers [-2, 2]
 
 
 class StepMetrics:
@@ -100,7 +101,7 @@ class StepMetrics:
             out[f"abs_log_{n}_p99"] = (i + 1) * width  # upper edge of the bin
         return out
 
-    def coarse_hist(self, name: str, half_range: float = 2.0, bins: int = 40) -> list:
+    def coarse_hist(self, name: str, half_range: float = COARSE_HIST_RANGE, bins: int = 40) -> list:
         """The ``name`` log-histogram re-binned to ``bins`` over [−half_range, half_range] (mass
         outside lands in the end bins): small enough for one line of metrics.jsonl per step."""
         h = self.hists.get(name)

@@ -38,10 +38,6 @@ class WandbConfig:
     dir: str = ""
 
 
-# log-ratio histogram of metrics.jsonl: 200 bins over log ρ ∈ [−2, 2] (see policy_update)
-_HIST_RANGE = 2.0
-
-
 class RunLog:
     """Rank 0's sinks; on other ranks every call is a no-op."""
 
@@ -96,8 +92,10 @@ class RunLog:
 def _wandb_hist(counts: List[float]):
     import wandb
 
-    n = len(counts)
-    edges = [-_HIST_RANGE + 2 * _HIST_RANGE * i / n for i in range(n + 1)]
+    from .metrics import COARSE_HIST_RANGE as r
+
+    n = len(counts)  # metrics.jsonl's log_ratio_hist: n bins over log ρ ∈ [−r, r]
+    edges = [-r + 2 * r * i / n for i in range(n + 1)]
     return wandb.Histogram(np_histogram=(counts, edges))
 
 

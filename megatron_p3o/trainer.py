@@ -170,11 +170,11 @@ class Trainer:
         return self._log(batch, {**update, **res.stats, **replay_stats}, timer.seconds)
 
     # -- phases -----------------------------------------------------------------------------------
-    def _decode(self, ids: List[int]) -> str:
+    def decode(self, ids: List[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def _score(self, samples, answers) -> List[float]:
-        texts = [self._decode(s.completion_ids) for s in samples]
+        texts = [self.decode(s.completion_ids) for s in samples]
         rewards = score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
         ol = self.cfg.reward.overlong
         if ol is not None:  # DAPO's soft over-long penalty, added to the task reward
@@ -288,20 +288,10 @@ class Trainer:
         rows = all_rows(path, self.tok, d.prompt_key, d.answer_key)
         rows = rows[:limit] if limit else rows
         mine = list(range(self.groups.dp_rank, len(rows), self.groups.layout.dp))
-        sp = SamplingParams(
-            temperature=1.0,
-            top_k=1,
-            max_new_tokens=self.sampling.max_new_tokens,
-            stop_token_ids=self.sampling.stop_token_ids,
-            seed=0,
-        )
-        precision = None
-        if d.eval_precision == "trainer":
-            precision = _PRECISION_OF[self.cfg.model.params_dtype]
-        samples = self.rollout.evaluate([rows[i][0] for i in mine], sp, self.step_idx, precision)
+        samples = self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling())
         score = torch.zeros(len(rows), dtype=torch.float64, device=self.groups.device)
         for i, s in zip(mine, samples):
-            score[i] = float(self.reward_fn(self._decode(s.completion_ids), rows[i][1]))
+            score[i] = float(self.reward_fn(self.decode(s.completion_ids), rows[i][1]))
         if self.groups.layout.dp_enabled:
             # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
             dist.all_reduce(score, group=self.groups.dp)
@@ -326,8 +316,15 @@ class Trainer:
             precision = _PRECISION_OF[self.cfg.model.params_dtype]
         return self.rollout.evaluate(prompts, sampling, self.step_idx, precision)
 
-    def decode(self, ids: List[int]) -> str:
-        return self._decode(ids)
+    def greedy_sampling(self, max_tokens: int = 0) -> SamplingParams:
+        """Top-1 decoding with the recipe's stop tokens (``max_tokens`` 0 = the recipe's)."""
+        return SamplingParams(
+            temperature=1.0,
+            top_k=1,
+            max_new_tokens=max_tokens or self.sampling.max_new_tokens,
+            stop_token_ids=self.sampling.stop_token_ids,
+            seed=0,
+        )
 
     def evaluate_sets(self) -> Dict[str, float]:
         """Every ``eval.sets`` entry: pass@k, mean pass@1, greedy accuracy (all ranks); logged."""

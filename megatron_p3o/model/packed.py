@@ -16,7 +16,7 @@ sequence order: the split Transformer Engine's THD context parallelism and Megat
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,8 +141,3 @@ def gather_response(values: Tensor, index: Tensor, mask: Tensor) -> Tensor:
     grid), zero where ``mask`` is 0 (whatever sits at the padding positions)."""
     out = values.index_select(0, index.reshape(-1)).reshape(index.shape)
     return torch.where(mask > 0, out, torch.zeros_like(out))
-
-
-def microbatch_token_counts(microbatches: List[Dict]) -> List[int]:
-    """Tokens the model computes per micro-batch (padding included)."""
-    return [int(mb["tokens"].numel()) for mb in microbatches]

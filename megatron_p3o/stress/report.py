@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
+from ..metrics import COARSE_HIST_RANGE
 from .grid import GridConfig
 from .stats import by_seed, paired_bootstrap, versus_best_baseline
 
@@ -46,6 +47,14 @@ def _save(fig, path: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _families(grid: GridConfig) -> Tuple[List[str], List[str]]:
+    """(the baseline settings, the other families in grid order — or just "baseline"): one
+    panel per family, the baseline settings drawn in each."""
+    base = [k for k, m in grid.mismatch.items() if m.family == "baseline"]
+    fams = [f for f in dict.fromkeys(m.family for m in grid.mismatch.values()) if f != "baseline"]
+    return base, fams or ["baseline"]
 
 
 def _finite(xs):
@@ -148,10 +157,11 @@ def plot_ratio_hist(
                 tot = h if tot is None else [a + b for a, b in zip(tot, h)]
         if tot and sum(tot) > 0:
             n = len(tot)
-            xs = [-2 + (i + 0.5) * 4 / n for i in range(n)]
+            r = COARSE_HIST_RANGE
+            xs = [-r + (i + 0.5) * 2 * r / n for i in range(n)]
             ax.step(xs, [v / sum(tot) for v in tot], where="mid", label=mm)
     ax.set_yscale("log")
-    ax.set_xlabel("log ρ = ℓθ − ℓb (end bins hold everything beyond ±2)")
+    ax.set_xlabel(f"log ρ = ℓθ − ℓb (end bins hold everything beyond ±{COARSE_HIST_RANGE:g})")
     ax.set_ylabel("fraction of tokens")
     ax.set_title(f"{grid.name}: train/rollout log-ratio, objective {obj}")
     ax.legend(fontsize=8)
@@ -167,10 +177,7 @@ def plot_final_vs_level(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fams = [
-        f for f in dict.fromkeys(m.family for m in grid.mismatch.values()) if f != "baseline"
-    ] or ["baseline"]
-    base = [k for k, m in grid.mismatch.items() if m.family == "baseline"]
+    base, fams = _families(grid)
     fig, axes = plt.subplots(
         1, len(fams), figsize=(max(8, 4.5 * len(fams)), 3.8), squeeze=False, sharey=True
     )
@@ -308,9 +315,7 @@ def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    base = [k for k, m in grid.mismatch.items() if m.family == "baseline"]
-    fams = [f for f in dict.fromkeys(m.family for m in grid.mismatch.values()) if f != "baseline"]
-    fams = fams or ["baseline"]
+    base, fams = _families(grid)
     ncol = min(3, len(fams))
     nrow = math.ceil(len(fams) / ncol)
     fig, axes = plt.subplots(
