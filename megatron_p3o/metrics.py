@@ -1,6 +1,7 @@
 """Metric reductions: (numerator, denominator) sums, maxima and log-histograms.
 
-Why: metrics of one optimizer step are spread over micro-batches and DP×CP ranks. Means need
+Why: metrics of one optimizer step are spread over micro-batches and DP ranks (every CP rank of a
+DP rank computes the same loss of whole sequences, see policy_update). Means need
 sums and counts, maxima need a MAX reduction, and quantiles (ratio p50/p90/p99) need the whole
 distribution: a fixed log-space histogram summed over ranks gives them to 1% without gathering
 every token.
@@ -54,7 +55,7 @@ class StepMetrics:
     def reduce(
         self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None
     ) -> "StepMetrics":
-        """Sum / max over ``group`` (DP×CP on the last stage), with the reduced tensors on
+        """Sum / max over ``group`` (DP on the last stage), with the reduced tensors on
         ``device`` (the training device: NCCL refuses CPU tensors). Every rank must hold the
         same names."""
         if group is None or dist.get_world_size(group) == 1:
@@ -63,19 +64,19 @@ class StepMetrics:
         names = sorted(self.sums)
         if names:
             t = torch.tensor([self.sums[n] for n in names], dtype=torch.float64, device=dev)
-            # DP×CP: each rank accumulated a disjoint part of the step's tokens.
+            # DP group: each rank accumulated a disjoint part of the step's sequences.
             dist.all_reduce(t, group=group)
             for n, row in zip(names, t.tolist()):
                 self.sums[n] = row
         mnames = sorted(self.maxes)
         if mnames:
             t = torch.tensor([self.maxes[n] for n in mnames], dtype=torch.float64, device=dev)
-            # DP×CP: the step's maximum over every rank's tokens.
+            # DP group: the step's maximum over every rank's tokens.
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             self.maxes.update(zip(mnames, t.tolist()))
         for n in sorted(self.hists):
             h = self.hists[n].to(dev, copy=True)
-            # DP×CP: histogram counts of the whole step, for global quantiles.
+            # DP group: histogram counts of the whole step, for global quantiles.
             dist.all_reduce(h, group=group)
             self.hists[n] = h
         return self

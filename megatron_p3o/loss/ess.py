@@ -3,7 +3,8 @@
 P3O (seed 000, Eq. 11): ``e_B = (Σ_{t∈B} ρ_t)² / (N_B · Σ_{t∈B} ρ_t²)`` with ``ρ = exp(ℓθ − ℓb)``
 over **every** valid token of the step (all micro-batches, all DP and CP ranks). We keep float64
 sufficient statistics ``(Σρ, Σρ², N)`` per micro-batch, add them up, and all-reduce once over
-DP×CP on the last pipeline stage; e_B is then frozen for the step's gradient pass.
+DP on the last pipeline stage (CP ranks hold whole sequences after the loss-side gather); e_B is
+then frozen for the step's gradient pass.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def ess_stats(logprobs: Tensor, anchor_logprobs: Tensor, mask: Tensor) -> Tensor
 
 
 def all_reduce_stats(stats: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
-    """Sum statistics over ``group`` (DP×CP: every rank holds a disjoint part of the step)."""
+    """Sum statistics over ``group`` (DP: every rank holds a disjoint part of the step)."""
     if group is not None and dist.get_world_size(group) > 1:
         stats = stats.clone()
-        # DP×CP group: token sums of the whole optimizer step live on every data/context rank.
+        # DP group: token sums of the whole optimizer step, every data-parallel rank's share.
         dist.all_reduce(stats, group=group)
     return stats
 
