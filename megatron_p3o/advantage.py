@@ -54,3 +54,23 @@ def group_advantages(
         return centred
     var = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, centred * centred) / count
     return centred / (var.sqrt()[inv] + eps)
+
+
+def rarity_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """R2PO's head-phase advantage (arXiv 2601.11960), ``[B]`` float64.
+
+    For a group's rewards R_1…R_G: c_i = 1 / #{j : R_j = R_i} (rare outcomes score high),
+    standardised within the group, (c_i − mean c) / (std c + ε), population std. A group whose
+    rewards are all equal carries no signal and is skipped: NaN, which the batcher turns into a
+    sequence outside the loss and its normalizer."""
+    r = rewards.double()
+    inv, g = _group_index(group_ids)
+    out = torch.full_like(r, float("nan"))
+    for k in range(g):
+        sel = (inv == k).nonzero().flatten()
+        rk = r[sel]
+        c = 1.0 / (rk[:, None] == rk[None, :]).sum(1).double()
+        if bool((rk == rk[0]).all()):
+            continue
+        out[sel] = (c - c.mean()) / (c.std(unbiased=False) + eps)
+    return out

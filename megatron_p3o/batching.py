@@ -84,7 +84,8 @@ def _response(
     mask_truncated: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """The ``[n, L]`` loss-side tensors of sequences starting at flattened ``starts``; with
-    ``mask_truncated`` a completion that hit the length budget keeps mask 0."""
+    ``mask_truncated`` a completion that hit the length budget keeps mask 0, and so does one
+    whose advantage is NaN (a sequence its objective skips, e.g. R2PO's all-equal groups)."""
     n = len(samples)
     longest = max([len(s.completion_ids) for s in samples] + [1])
     mask = torch.zeros(n, longest)  # host
@@ -93,7 +94,8 @@ def _response(
     index = torch.zeros(n, longest, dtype=torch.long)  # host
     for i, (s, a, start) in enumerate(zip(samples, advantages, starts)):
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        if c and not (mask_truncated and s.finish_reason == "length"):
+        skip = a != a or (mask_truncated and s.finish_reason == "length")
+        if c and not skip:
             mask[i, :c] = 1.0
             blp[i, :c] = torch.tensor(s.logprobs)  # host
             adv[i, :c] = float(a)

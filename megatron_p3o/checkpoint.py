@@ -97,7 +97,7 @@ def save_model_state(
 EXTRA_STATE = "_extra_state"
 
 
-def _load(request: dict, ckpt_dir: Path) -> dict:
+def load_sharded(request: dict, ckpt_dir: Path) -> dict:
     """``dist_checkpointing.load`` that tolerates a model's TE ``_extra_state`` missing from the
     checkpoint (a TE model loading a local-spec checkpoint); anything else missing, or a
     checkpoint of another model, is a :class:`CheckpointError`."""
@@ -124,7 +124,7 @@ def _load(request: dict, ckpt_dir: Path) -> dict:
     return loaded
 
 
-def _load_into(chunk: torch.nn.Module, state: dict, ckpt_dir: Path) -> None:
+def load_into(chunk: torch.nn.Module, state: dict, ckpt_dir: Path) -> None:
     """``load_state_dict`` where only TE ``_extra_state`` entries may be absent (they keep the
     freshly initialised FP8 metadata)."""
     missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False)
@@ -141,9 +141,9 @@ def load_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) ->
         raise CheckpointError(
             f"{ckpt_dir} is not a Megatron distributed checkpoint (no metadata.json)"
         )
-    loaded = _load(sharded_model_state(chunks), ckpt_dir)
+    loaded = load_sharded(sharded_model_state(chunks), ckpt_dir)
     for i, c in enumerate(chunks):
-        _load_into(c, loaded[f"model{i}"], ckpt_dir)
+        load_into(c, loaded[f"model{i}"], ckpt_dir)
 
 
 # -- training checkpoints: model + optimizer + scheduler + trainer state + per-rank RNG --------
@@ -185,10 +185,11 @@ def save_training_checkpoint(
     scheduler,
     trainer_state: dict,
     keep_last: int = 2,
+    extra: Dict | None = None,
 ) -> Path:
     """``run_dir/checkpoints/step_NNNNNN`` (atomic), then the ``latest`` pointer (atomic), then
     pruning to the newest ``keep_last``. An interrupted save leaves ``latest`` on the previous
-    one."""
+    one. ``extra``: more sharded entries (the reference model's weights, the R2PO head)."""
     root = Path(run_dir) / "checkpoints"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -199,6 +200,7 @@ def save_training_checkpoint(
         "optimizer": optimizer.sharded_state_dict(model_sd),
         "scheduler": scheduler.state_dict(),
         "trainer": dict(trainer_state, step=step),
+        **(extra or {}),
     }
     final = save_model_state(
         chunks, root / f"step_{step:06d}", state=state, rank_payload=_rng_state()
@@ -234,9 +236,9 @@ def load_training_checkpoint(ckpt: Path, chunks, optimizer, scheduler) -> dict:
 
     model_sd = sharded_model_state(chunks)
     request = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
-    loaded = _load(request, ckpt)
+    loaded = load_sharded(request, ckpt)
     for i, c in enumerate(chunks):
-        _load_into(c, loaded[f"model{i}"], Path(ckpt))
+        load_into(c, loaded[f"model{i}"], Path(ckpt))
     optimizer.load_state_dict(loaded["optimizer"])
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
     scheduler.load_state_dict(common["scheduler"])

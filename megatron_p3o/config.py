@@ -28,6 +28,8 @@ from .model.builder import ModelConfig
 from .optim import OptimConfig
 from .parallel import ParallelConfig
 from .policy_update import LossConfig
+from .r2po import R2POConfig
+from .reference import ReferenceConfig
 from .replay import ReplayConfig
 from .reward.registry import RewardConfig
 from .rollout.config import RolloutConfig
@@ -68,6 +70,8 @@ class TrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    r2po: R2POConfig = field(default_factory=R2POConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     steps: int = 100
@@ -124,9 +128,10 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         try:
-            build_objective(self.loss.objective, **self.loss.hyper)
+            obj = build_objective(self.loss.objective, **self.loss.hyper)
         except ValueError as e:
             raise ConfigError(f"loss: {e}") from None
+        self._check_objective_sampling(obj)
         if self.parallel.world_size is not None and self.parallel.world_size != world_size:
             raise ConfigError(
                 f"parallel.world_size={self.parallel.world_size}: the recipe is written for "
@@ -166,6 +171,42 @@ class TrainConfig:
                 )
             )
         return self
+
+    def _check_objective_sampling(self, obj) -> None:
+        """ReVal reads the logits as soft Q-values: sampling must be softmax(z) itself."""
+        r = self.rollout
+        if obj.unit_temperature:
+            s = r.sampling
+            if s.temperature != 1.0 or r.engine_temperature not in (None, 1.0):
+                t = s.temperature if s.temperature != 1.0 else r.engine_temperature
+                raise ConfigError(
+                    f"rollout.sampling.temperature={t}: loss.objective={self.loss.objective!r} "
+                    "reads the logits as soft Q-values, so rollouts must sample softmax(z) at "
+                    "temperature 1"
+                )
+            if s.truncated:
+                raise ConfigError(
+                    f"rollout.sampling.top_p={s.top_p} / top_k={s.top_k}: "
+                    f"loss.objective={self.loss.objective!r} needs the full softmax(z) "
+                    "(top_p=1, top_k=0)"
+                )
+        if self.r2po.enabled and r.engine != "embedded":
+            raise ConfigError(
+                f"r2po.enabled with rollout.engine={r.engine!r}: sampling with R2PO's residual "
+                "head needs a custom model class in SGLang, which this project does not ship; "
+                "use rollout.engine=embedded"
+            )
+        if self.r2po.enabled and self.parallel.sequence_parallel:
+            raise ConfigError(
+                "r2po.enabled with parallel.sequence_parallel: the rollout head needs whole "
+                "sequences on every TP rank"
+            )
+        needs_ref = obj.needs_ref_logprobs or self.r2po.enabled
+        if self.reference.enabled is False and needs_ref:
+            raise ConfigError(
+                f"reference.enabled=false, but loss.objective={self.loss.objective!r} with "
+                f"{dict(self.loss.hyper)} needs the reference model's log-probs"
+            )
 
     def _check_sglang(self, world_size: int) -> None:
         r = self.rollout

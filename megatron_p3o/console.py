@@ -8,11 +8,14 @@ from typing import Dict
 def step_line(m: Dict) -> str:
     """Reward, e_B, mismatch, loss and times of one trainer step (``Trainer.step``'s record)."""
     nan, skip = float("nan"), m.get("skipped_steps", 0)
+    if m.get("r2po_head_phase"):  # R2PO's head phase: the head's loss, ℓμ against the engine's
+        m = {**m, **{k.removeprefix("head/"): v for k, v in m.items() if k.startswith("head/")}}
     return (
         f"step {m['step']:4d}  reward {m['reward_mean']:.3f}  ess {m.get('ess', nan):.3f}  "
         f"|ℓθ−ℓb| {m.get('abs_logprob_diff', nan):.4f}  loss {m.get('loss', nan):+.4f}  "
         f"rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s"
         + (f"  [red]{skip:.0f} optimizer step(s) skipped: non-finite gradients" if skip else "")
+        + ("  (R2PO head phase)" if m.get("r2po_head_phase") else "")
     )
 
 

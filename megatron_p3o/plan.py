@@ -141,7 +141,21 @@ def make_plan(
         "activations": act / GiB,
         "logits": logits / GiB,
     }
+    if uses_reference(cfg):  # a second, frozen copy of the stage's parameters, no grads/optimizer
+        gib["reference"] = n * pb / GiB
+    if cfg.r2po.enabled:  # W₁ (d×d) + W₂ shard (V/tp×d), fp32: weights, grads, Adam's 2 moments
+        gib["rollout head"] = (h * h + vpad // tp * h) * 16 / GiB
     return Plan(world_size, tp, pp, cp, dp, micro, total, n, gib)
+
+
+def uses_reference(cfg: TrainConfig) -> bool:
+    from .loss import build_objective
+
+    on = cfg.reference.enabled
+    if on is None:
+        obj = build_objective(cfg.loss.objective, **cfg.loss.hyper)
+        on = obj.needs_ref_logprobs or cfg.r2po.enabled
+    return bool(on)
 
 
 def format_plan(
@@ -162,6 +176,12 @@ def format_plan(
     ]
     for k, v in plan.gib.items():
         lines.append(f"  {k:<12} {v:8.2f} GiB")
+    if "reference" in plan.gib:
+        every = c.reference.reset_every
+        lines.append(
+            "  (reference model: one more no-grad forward per optimizer step, ≈ 1/3 of its "
+            f"compute; reset {'every ' + str(every) + ' steps' if every else 'never'})"
+        )
     verdict = "fits" if plan.total_gib <= gpu_gib * 0.9 else "DOES NOT FIT (keep ≥ 10% headroom)"
     lines.append(f"  {'total':<12} {plan.total_gib:8.2f} GiB of {gpu_gib:.0f} GiB — {verdict}")
     return lines

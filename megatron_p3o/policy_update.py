@@ -94,6 +94,50 @@ class LossConfig:
             raise ValueError(f"loss.logprob_chunk={self.logprob_chunk} must be >= 1")
 
 
+def response_logprobs(
+    batch: MicroBatch,
+    logits,
+    groups: ParallelGroups,
+    temperature: float,
+    vocab_size: int,
+    chunk: Optional[int] = None,
+    *,
+    with_entropy: bool = False,
+    with_value: bool = False,
+    inplace: bool = False,
+):
+    """``(ℓ [n, L], entropy [n, L] or None, value [n] or None)`` of each sequence's completion
+    tokens at temperature T, for the policy and the reference model alike.
+
+    The kernel scores this rank's tokens (its TP vocabulary shard, its CP chunks); under CP the
+    per-token values are gathered so that every CP rank holds whole sequences, then the
+    completion tokens are picked out of the padded or packed grid (``response.index``).
+    ``with_value``: V(s₁) = log Σ_v exp(z_v / T) at the position that predicts each sequence's
+    first completion token (ReVal's soft value; the kernel's own log-partition)."""
+    out = vocab_parallel_logprobs(
+        logits,
+        batch["targets"],
+        groups.tp,
+        temperature=temperature,
+        chunk_size=chunk,
+        vocab_size=vocab_size,
+        with_entropy=with_entropy,
+        inplace_backward=inplace,
+        with_lse=with_value,
+    )
+    lp, ent = out[0], out[1]
+    resp = batch["response"]
+    index = batch.get("cp_token_index")
+    cp = groups.cp if index is not None else None
+    numel = index.numel() if index is not None else lp.numel()
+
+    def whole(x):
+        return gather_response(gather_tokens(x, index, numel, cp), resp["index"], resp["mask"])
+
+    value = whole(out[2])[:, 0] if with_value else None
+    return whole(lp), (whole(ent) if ent is not None else None), value
+
+
 class PolicyUpdate:
     """Runs the objective over one optimizer step's micro-batches (see the module docstring).
 
@@ -168,35 +212,16 @@ class PolicyUpdate:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
         return n_tok, n_seq
 
-    def _kernel(self, batch, logits, with_entropy: bool = False, inplace: bool = False):
-        """ℓθ (and the entropy) ``[n, L]`` of each sequence's completion tokens at T.
+    def _kernel(self, batch, logits, with_entropy=False, inplace=False, with_value=False):
+        return response_logprobs(
+            batch, logits, self.groups, self.temperature, self.vocab_size,
+            self.cfg.logprob_chunk, with_entropy=with_entropy, with_value=with_value,
+            inplace=inplace,
+        )  # fmt: skip
 
-        The kernel scores this rank's tokens (its TP vocabulary shard, its CP chunks); under CP
-        the per-token values are gathered so that every CP rank holds whole sequences, then the
-        completion tokens are picked out of the padded or packed grid (``response.index``)."""
-        lp, ent = vocab_parallel_logprobs(
-            logits,
-            batch["targets"],
-            self.groups.tp,
-            temperature=self.temperature,
-            chunk_size=self.cfg.logprob_chunk,
-            vocab_size=self.vocab_size,
-            with_entropy=with_entropy,
-            inplace_backward=inplace,
-        )
-        resp = batch["response"]
-        index = batch.get("cp_token_index")
-        cp = self.groups.cp if index is not None else None
-        numel = index.numel() if index is not None else lp.numel()
-
-        def whole(x):
-            return gather_response(gather_tokens(x, index, numel, cp), resp["index"], resp["mask"])
-
-        return whole(lp), (whole(ent) if ent is not None else None)
-
-    def _logprobs(self, batch, logits, entropy: bool = True):
+    def _logprobs(self, batch, logits, entropy: bool = True, value: bool = False):
         # the logits feed only this loss: their storage is reused for the gradient
-        lp, ent = self._kernel(batch, logits, with_entropy=entropy, inplace=True)
+        lp, ent, val = self._kernel(batch, logits, entropy, inplace=True, with_value=value)
         resp = batch["response"]
         mask = resp["mask"].to(torch.float32)
         ids = resp.get("sample_index")
@@ -206,9 +231,9 @@ class PolicyUpdate:
                 "behaviour log-prob ℓb", resp["behavior_logprobs"], mask, ids, "mask"
             )
         mask = check_finite("trainer log-prob ℓθ", lp.detach(), mask, ids, self.cfg.nonfinite)
-        return lp, ent, mask
+        return lp, ent, mask, val
 
-    def _inputs(self, batch, lp, ent, mask) -> LossInputs:
+    def _inputs(self, batch, lp, ent, mask, value=None) -> LossInputs:
         resp = batch["response"]
         return LossInputs(
             logprobs=lp,
@@ -222,6 +247,8 @@ class PolicyUpdate:
             entropy=ent,
             rewards=None,
             group_ids=None,
+            values=value,
+            ref_values=resp.get("ref_values"),
         )
 
     def _ess_stats(self, inp: LossInputs) -> torch.Tensor:
@@ -245,7 +272,7 @@ class PolicyUpdate:
 
         def loss_fn(batch, logits):
             with torch.no_grad():
-                lp, ent, mask = self._logprobs(batch, logits, entropy=want_ent)
+                lp, ent, mask, _ = self._logprobs(batch, logits, entropy=want_ent)
                 stats.append(self._ess_stats(self._inputs(batch, lp, ent, mask)))
                 if ent is not None:
                     acc.add("entropy", (ent * mask).sum(), mask.sum())
@@ -286,7 +313,7 @@ class PolicyUpdate:
 
         def loss_fn(batch, logits):
             with torch.no_grad():
-                lp, _ = self._kernel(batch, logits)
+                lp, _, _ = self._kernel(batch, logits)
                 out.append(lp.float() * batch["response"]["mask"].to(torch.float32))
             return torch.zeros((), device=logits.device), 0, {}
 
@@ -302,8 +329,8 @@ class PolicyUpdate:
     ) -> Dict[str, float]:
         """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step.
 
-        Every CP rank computes the loss of whole sequences (see :meth:`_kernel`), so the loss
-        side sums over DP only."""
+        Every CP rank computes the loss of whole sequences (see :func:`response_logprobs`), so
+        the loss side sums over DP only."""
         for mb in microbatches:
             nest_response(mb)
         self._check_behavior_logprobs(microbatches)
@@ -322,8 +349,8 @@ class PolicyUpdate:
         norm = n_seq if self.objective.per_sequence else n_tok
 
         def loss_fn(batch, logits):
-            lp, ent, mask = self._logprobs(batch, logits, entropy=want_ent)
-            inp = self._inputs(batch, lp, ent, mask)
+            lp, ent, mask, val = self._logprobs(batch, logits, want_ent, self.objective.needs_value)
+            inp = self._inputs(batch, lp, ent, mask, val)
             self.objective.check_inputs(inp)
             e, e_p = ess, ess_p
             if self.objective.needs_ess and not step_scope:

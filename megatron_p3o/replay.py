@@ -15,6 +15,13 @@ teaches nothing, yet costs a full rollout. BAPO adapts the batch instead of wast
 
 Policy ``none`` passes batches through untouched. Everything is deterministic (a function of the
 batches seen), and ``state()``/``load_state()`` put the buffer in the training checkpoint.
+
+Policy ``fifo`` (ReVal, arXiv 2603.23355): a first-in-first-out buffer of single trajectories
+(:class:`TrajectoryFIFO`); every trainer step makes one update on the fresh batch, then one on a
+uniform sample (without replacement) of the buffer's older trajectories, then adds the fresh
+ones. The buffer keeps tokens, ℓb, the reward the objective regresses on and the finish reason;
+the reference model's ℓref and V_ref(s₁) are recomputed by one no-grad reference forward for
+each replay batch (so a reference reset never leaves stale values behind).
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from .types import Group
+import torch
+
+from .types import Group, Sample
 
 
 @dataclass(frozen=True)
@@ -48,13 +57,18 @@ class ReplayConfig:
     quality_max: float = 0.8
     reeval_per_step: int = 2
     difficult_capacity: int = 1024
+    fifo_capacity: int = 5120
+    fifo_batch: int = 0
 
     def check(self) -> None:
-        if self.policy not in ("none", "bapo"):
-            raise ValueError(f"replay.policy={self.policy!r}; choose 'none' or 'bapo'")
-        for name in ("capacity", "max_reuse", "max_age", "reeval_per_step", "difficult_capacity"):
+        if self.policy not in ("none", "bapo", "fifo"):
+            raise ValueError(f"replay.policy={self.policy!r}; choose 'none', 'bapo' or 'fifo'")
+        names = ("capacity", "max_reuse", "max_age", "reeval_per_step", "difficult_capacity")
+        for name in names + ("fifo_batch",):
             if getattr(self, name) < 0:
                 raise ValueError(f"replay.{name}={getattr(self, name)} must be >= 0")
+        if self.fifo_capacity < 1:
+            raise ValueError(f"replay.fifo_capacity={self.fifo_capacity} must be >= 1")
         if not self.quality_min <= self.quality_max:
             raise ValueError(
                 f"replay.quality_min={self.quality_min} > quality_max={self.quality_max}"
@@ -71,7 +85,8 @@ class ReplayBuffer:
 
     @property
     def active(self) -> bool:
-        return self.cfg.policy != "none"
+        """The BAPO batch policy (``fifo`` replays through :class:`TrajectoryFIFO` instead)."""
+        return self.cfg.policy == "bapo"
 
     def take_reeval(self) -> List[Tuple[int, List[int], str]]:
         """Up to ``reeval_per_step`` difficult prompts (oldest first), removed from the buffer."""
@@ -155,3 +170,62 @@ class ReplayBuffer:
         self.stored = deque(Group.from_dict(d) for d in st["stored"])
         self.difficult = deque((int(i), list(p), str(a)) for i, p, a in st["difficult"])
         self._difficult_ids = {i for i, _, _ in self.difficult}
+
+
+class TrajectoryFIFO:
+    """Single trajectories with the per-sequence reward their objective regresses on (ReVal's
+    centred r), oldest evicted first; one buffer per DP rank (every rank of a model-parallel
+    group holds the same one: same samples, same seeded draws)."""
+
+    def __init__(self, cfg: ReplayConfig, seed: int, dp_rank: int):
+        self.cfg, self.seed, self.dp_rank = cfg, seed, dp_rank
+        self.items: deque = deque()  # (Sample, advantage)
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.policy == "fifo"
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, samples: Sequence[Sample], advantages) -> None:
+        for s, a in zip(samples, [float(x) for x in advantages]):
+            self.items.append((s, a))
+        while len(self.items) > self.cfg.fifo_capacity:
+            self.items.popleft()
+
+    def draw(self, n: int, step: int):
+        """``(samples, advantages)``: ``n`` trajectories drawn uniformly without replacement
+        (seeded by run seed, step and DP rank: a resumed run draws the same), or None while the
+        buffer holds fewer than ``n`` (every DP rank's buffer grows alike, so all agree)."""
+        n = self.cfg.fifo_batch or n
+        if len(self.items) < n:
+            return None
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + self.dp_rank)
+        pick = torch.randperm(len(self.items), generator=g)[:n].tolist()  # host
+        chosen = [self.items[i] for i in pick]
+        return [s for s, _ in chosen], [a for _, a in chosen]
+
+    def state(self) -> dict:
+        return {
+            "fifo": [
+                {
+                    "prompt_ids": s.prompt_ids,
+                    "completion_ids": s.completion_ids,
+                    "logprobs": s.logprobs,
+                    "finish_reason": s.finish_reason,
+                    "weight_version": s.weight_version,
+                    "group_id": s.group_id,
+                    "reward": s.reward,
+                    "advantage": a,
+                }
+                for s, a in self.items
+            ]
+        }
+
+    def load_state(self, st: dict) -> None:
+        self.items = deque()
+        for d in st.get("fifo", []):
+            d = dict(d)
+            a = float(d.pop("advantage"))
+            self.items.append((Sample(**d), a))

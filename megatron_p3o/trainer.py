@@ -32,7 +32,8 @@ from .model.builder import BuildOptions, build_model
 from .optim import build_optimizer, build_scheduler, wrap_ddp, zero_grads
 from .parallel import ParallelGroups
 from .policy_update import PolicyUpdate
-from .replay import ReplayBuffer
+from .reference import ReferenceModel
+from .replay import ReplayBuffer, TrajectoryFIFO
 from .reward import build_reward, score_samples
 from .reward.overlong import dapo_overlong_reward
 from .rollout.backend import build_backend
@@ -67,9 +68,15 @@ class Trainer:
         self.tok = AutoTokenizer.from_pretrained(ckpt / "hf")
         self.objective = build_objective(cfg.loss.objective, **cfg.loss.hyper)
         self.sampling = self._sampling()
+        self.reference = self._build_reference(cfg, groups, ckpt)
         self.update = PolicyUpdate(
             self.objective, groups, self.desc.vocab_size, cfg.loss, self.sampling.temperature
         )
+        self.r2po = None
+        if cfg.r2po.enabled:  # the residual rollout head on the last stage, and its phase
+            from .r2po import R2PO
+
+            self.r2po = R2PO(cfg.r2po, self)
         self.batcher = MicroBatcher(
             cfg.batch, groups, cfg.model.seq_length, self.tok.pad_token_id or 0,
             equal_counts=self.objective.needs_ess and cfg.loss.ess_scope == "microbatch",
@@ -82,13 +89,14 @@ class Trainer:
         )  # fmt: skip
         self.reward_fn = build_reward(cfg.reward.kind, cfg.reward.function)
         self.replay = ReplayBuffer(cfg.replay)
+        self.fifo = TrajectoryFIFO(cfg.replay, cfg.run.seed, groups.dp_rank)
         pending = self._open_run(cfg, groups)
         self.rollout = self._build_rollout(cfg, groups, pending)
 
     def _build_model(self, cfg: TrainConfig, groups: ParallelGroups, ckpt: Path) -> None:
         meta = read_meta(ckpt)
         self.desc = meta["description"]
-        opts = BuildOptions(
+        self.build_opts = opts = BuildOptions(
             params_dtype=getattr(torch, cfg.model.params_dtype),
             make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
             seq_length=cfg.model.seq_length,
@@ -100,6 +108,18 @@ class Trainer:
         self.ddp = wrap_ddp(self.chunks, groups, cfg.optim)
         self.opt = build_optimizer(self.ddp, groups, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim)
+
+    def _build_reference(self, cfg: TrainConfig, groups: ParallelGroups, ckpt: Path):
+        """The frozen reference model when the objective (or ``reference.enabled``) asks."""
+        on = cfg.reference.enabled
+        if on is None:
+            on = self.objective.needs_ref_logprobs or cfg.r2po.enabled
+        if not on:
+            return None
+        return ReferenceModel(
+            self.desc, groups, self.build_opts, ckpt, cfg.rollout.sampling.temperature,
+            cfg.loss.logprob_chunk,
+        )  # fmt: skip
 
     def _open_run(self, cfg: TrainConfig, groups: ParallelGroups) -> List[dict]:
         """The run directory (config.json, metrics.jsonl, TensorBoard, W&B on rank 0) and, when
@@ -117,6 +137,10 @@ class Trainer:
         # the same command again continues the run
         st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
         self.step_idx = int(st["step"])
+        if self.reference is not None:
+            self.reference.load(self.resumed_from, int(st.get("reference_reset_step", 0)))
+        if self.r2po is not None:
+            self.r2po.head.load(self.resumed_from, int(st.get("rollout_head_adam_step", 0)))
         return self._load_rank_state(st["ranks"])
 
     def _build_rollout(self, cfg: TrainConfig, groups: ParallelGroups, pending: List[dict]):
@@ -131,10 +155,11 @@ class Trainer:
             dp_rank=groups.dp_rank,
             end=cfg.steps,
         )
-        weights = TrainerWeights(self.chunks, groups, self.desc)
+        head = self.r2po.head.hf_tensors if self.r2po is not None else None
+        weights = TrainerWeights(self.chunks, groups, self.desc, extra=head)
         return build_backend(
             r, groups, weights, self.data, self._score, shard, self.step_idx, pending,
-            cfg.model.params_dtype, self.tok.pad_token_id or 0,
+            cfg.model.params_dtype, self.tok.pad_token_id or 0, rollout_head=head is not None,
         )  # fmt: skip
 
     def _sampling(self) -> SamplingParams:
@@ -159,8 +184,15 @@ class Trainer:
             adv = self._advantages(batch)
         with timer("train"):
             self.rollout.before_update()
-            update = self._update(batch, adv)
+            if self.r2po is not None and self.r2po.cfg.phase(self.step_idx) == "head":
+                update = {"r2po_head_phase": 1.0, **self.r2po.head_update(batch)}
+            else:
+                update = self._update(batch.samples, adv)
+                update.update(self._replay_update(batch, adv))
+                if self.r2po is not None:
+                    update["r2po_head_phase"] = 0.0
         self.step_idx += 1
+        self._maybe_reset_reference()
         with timer("sync"):
             self.rollout.publish(self.step_idx - 1, self.replay.take_reeval())
         with timer("checkpoint"):
@@ -191,10 +223,19 @@ class Trainer:
         a = self.cfg.advantage
         return group_advantages(batch.rewards, batch.group_index, a.kind, a.eps)
 
-    def _update(self, batch: TrainBatch, adv: torch.Tensor) -> Dict:
+    def _update(self, samples, adv) -> Dict:
         """Every optimizer step of this rollout batch (mini-batches × epochs); their metrics."""
         b = self.cfg.batch
-        per_step, packing = self.batcher.build(batch.samples, adv)
+        per_step, packing = self.batcher.build(samples, adv)
+        ref = {}
+        if self.reference is not None:  # ℓref (and V_ref(s₁)) before any update of the batch
+            self.reference.seconds = 0.0
+            for mbs in per_step:
+                self.reference.score(mbs, with_value=self.objective.needs_value)
+            ref = {
+                "ref_forward_s": self.reference.seconds,
+                "ref_reset_step": float(self.reference.reset_step),
+            }
         if self.objective.recomputes_old(self.cfg.loss.old_logprobs):  # πold before the updates
             for mbs in per_step:  # one schedule per step: its micro-batches share a shape
                 self.update.recompute_old_logprobs(self.ddp, mbs)
@@ -208,7 +249,28 @@ class Trainer:
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
                 metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
                 steps.append((epoch, m, metrics))
-        return {**combine_optimizer_steps(steps), **packing}
+        return {**combine_optimizer_steps(steps), **packing, **ref}
+
+    def _replay_update(self, batch: TrainBatch, adv: torch.Tensor) -> Dict:
+        """``replay.policy: fifo`` (ReVal): one more update on a uniform draw of older
+        trajectories, then the fresh ones join the buffer; metrics prefixed ``replay/``."""
+        if not self.fifo.active:
+            return {}
+        drawn = self.fifo.draw(len(batch.samples), self.step_idx)
+        self.fifo.add(batch.samples, adv)
+        if drawn is None:
+            return {"replay/size": float(len(self.fifo))}
+        m = self._update(*drawn)
+        keep = ("loss", "ess", "kl_behavior_theta", "reval_abs_delta", "grad_norm", "n_tokens")
+        out = {f"replay/{k}": v for k, v in m.items() if k in keep}
+        out["replay/size"] = float(len(self.fifo))
+        return out
+
+    def _maybe_reset_reference(self) -> None:
+        """``reference.reset_every``: the policy after this step becomes the reference."""
+        ref, every = self.reference, self.cfg.reference.reset_every
+        if ref is not None and ref.due(self.step_idx, every):
+            ref.reset_from(self.chunks, self.step_idx)
 
     def _log(self, batch: TrainBatch, metrics: Dict, seconds: Dict[str, float]) -> Dict:
         b = self.cfg.batch
@@ -340,14 +402,21 @@ class Trainer:
         g = self.groups
         mine = None
         if g.is_dp_leader:
-            mine = (g.dp_rank, {"rollout": self.rollout.state(), "replay": self.replay.state()})
+            replay = {**self.replay.state(), **self.fifo.state()}
+            mine = (g.dp_rank, {"rollout": self.rollout.state(), "replay": replay})
         parts: List = [None] * g.world_size
         # World: each DP rank has its own cursor and buffer; rank 0 stores them all in common.pt.
         dist.all_gather_object(parts, mine)
+        ref = self.reference
         state = {
             "ranks": {str(r): v for r, v in (x for x in parts if x is not None)},
             "weight_version": self.step_idx,
+            "reference_reset_step": ref.reset_step if ref is not None else 0,
         }
+        extra = ref.sharded_state() if ref is not None else {}
+        if self.r2po is not None:
+            state["rollout_head_adam_step"] = self.r2po.head.adam_step()
+            extra.update(self.r2po.head.sharded_state())
         return save_training_checkpoint(
             self.run_dir,
             self.step_idx,
@@ -356,6 +425,7 @@ class Trainer:
             self.sched,
             state,
             keep_last=self.cfg.checkpoint.keep_last,
+            extra=extra,
         )
 
     def _load_rank_state(self, ranks: Dict[str, dict]) -> List[dict]:
@@ -366,6 +436,7 @@ class Trainer:
             mine = ranks[str(r)]
             self.data.load_state(mine["rollout"]["data"])
             self.replay.load_state(mine["replay"])
+            self.fifo.load_state(mine["replay"])
             return mine["rollout"]["pending"]
         old = [ranks[str(i)] for i in range(len(ranks))]
         self.data.load_state(remap_states([o["rollout"]["data"] for o in old], dp)[r])
@@ -373,6 +444,8 @@ class Trainer:
         difficult = [x for o in old for x in o["replay"]["difficult"]]
         difficult += [x for o in old for p in o["rollout"]["pending"] for x in p["reeval"]]
         self.replay.load_state({"stored": stored[r::dp], "difficult": difficult[r::dp]})
+        fifo = [x for o in old for x in o["replay"].get("fifo", [])]
+        self.fifo.load_state({"fifo": fifo[r::dp]})
         return []
 
     def close(self) -> None:

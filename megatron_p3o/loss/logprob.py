@@ -13,7 +13,7 @@ gradient is written into that storage, so no full-size tensor is allocated at al
 Maths (per token, vocab shard ``v`` of rank r, temperature T, padded columns dropped):
     z = logits / T;   m = max_v z (all-reduce MAX over TP);   S = Σ_v exp(z − m) (all-reduce SUM)
     lse = m + log S;  ℓ(y) = z_y − lse;   H = lse − Σ_v softmax(z)·z
-    ∂ℓ/∂logits = (onehot(y) − p) / T;    ∂H/∂logits = −p ⊙ (log p + H) / T
+    ∂ℓ/∂logits = (onehot(y) − p) / T;    ∂H/∂logits = −p ⊙ (log p + H) / T;   ∂lse/∂logits = p / T
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         chunk_size: Optional[int],
         with_entropy: bool,
         inplace: bool,
+        with_lse: bool = False,
     ):
         cls = _VocabParallelLogprob
         v_local, lead = logits.shape[-1], logits.shape[:-1]
@@ -155,10 +156,14 @@ class _VocabParallelLogprob(torch.autograd.Function):
             logits, local_t, in_shard, m_all, log_s.float(), ent if with_entropy else m_all
         )
         ctx.cfg = (inv_t, real, rows, with_entropy, keep_exp, inplace)
-        return logp.reshape(lead), (ent.reshape(lead) if with_entropy else None)
+        return (
+            logp.reshape(lead),
+            ent.reshape(lead) if with_entropy else None,
+            lse.float().reshape(lead) if with_lse else None,
+        )
 
     @staticmethod
-    def backward(ctx, g_logp: Tensor, g_ent: Optional[Tensor]):
+    def backward(ctx, g_logp: Tensor, g_ent: Optional[Tensor], g_lse: Optional[Tensor] = None):
         logits, local_t, in_shard, m_all, log_s, ent = ctx.saved_tensors
         inv_t, real, rows, with_entropy, keep_exp, inplace = ctx.cfg
         v_local = logits.shape[-1]
@@ -175,6 +180,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
         )
         use_ent = with_entropy and g_ent is not None
         g_h = g_ent.reshape(-1).float() if use_ent else None
+        # ∂lse/∂z = p: the log-partition's gradient joins the −p term of ∂ℓ/∂z
+        g_p = g_lp if g_lse is None else g_lp - g_lse.reshape(-1).float()
         hit = torch.where(in_shard, g_lp, torch.zeros_like(g_lp)) * inv_t
         direct = grad.dtype == torch.float32
         scratch = (
@@ -198,9 +205,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
             if use_ent:
                 # ∂H/∂z = −p (log p + H); ∂ℓ/∂z = onehot − p
                 logp_all = torch.log(p)
-                p.mul_(logp_all.add_(ent[s:e, None]).mul_(-g_h[s:e, None]).sub_(g_lp[s:e, None]))
+                p.mul_(logp_all.add_(ent[s:e, None]).mul_(-g_h[s:e, None]).sub_(g_p[s:e, None]))
             else:
-                p.mul_(-g_lp[s:e, None])
+                p.mul_(-g_p[s:e, None])
             if inv_t != 1.0:
                 p.mul_(inv_t)
             if real > 0:
@@ -208,7 +215,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 p[r, local_t[s:e]] += hit[s:e]
             if not direct:
                 grad[s:e, :real].copy_(p)
-        return grad.reshape(logits.shape), None, None, None, None, None, None, None
+        return grad.reshape(logits.shape), None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -220,7 +227,8 @@ def vocab_parallel_logprobs(
     with_entropy: bool = False,
     vocab_size: Optional[int] = None,
     inplace_backward: bool = False,
-) -> Tuple[Tensor, Optional[Tensor]]:
+    with_lse: bool = False,
+):
     """Log-prob of each target token (and the entropy) under softmax(logits / temperature).
 
     Args:
@@ -251,7 +259,7 @@ def vocab_parallel_logprobs(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
-    return _VocabParallelLogprob.apply(
+    lp, ent, lse = _VocabParallelLogprob.apply(
         logits,
         target_ids.long(),
         tp_group,
@@ -260,4 +268,6 @@ def vocab_parallel_logprobs(
         chunk_size,
         with_entropy,
         inplace_backward,
+        with_lse,
     )
+    return (lp, ent, lse) if with_lse else (lp, ent)

@@ -44,10 +44,12 @@ def p3o_terms(inp: LossInputs, stats: StepStats, h: P3OConfig):
     anchor = inp.old_logprobs if h.kl_anchor == "old" else inp.behavior_logprobs
     kl_b = k3(inp.logprobs, anchor, m, h.k3_clamp)
     per_tok = -w * inp.advantages.detach() * inp.logprobs + h.kl_scale * (1.0 - e) * kl_b
-    if h.ref_kl_coef:
-        per_tok = per_tok + h.ref_kl_coef * k3(inp.logprobs, inp.ref_logprobs, m, h.k3_clamp)
-    if h.entropy_coef:
-        per_tok = per_tok - h.entropy_coef * inp.entropy
     n = m.sum()
     metrics = {"frac_rho_above_ess": (((rho > e).float() * m).sum(), n)}
+    if h.ref_kl_coef:
+        kl_ref = k3(inp.logprobs, inp.ref_logprobs, m, h.k3_clamp)
+        per_tok = per_tok + h.ref_kl_coef * kl_ref
+        metrics["kl_ref"] = ((kl_ref * m).sum().detach(), n)
+    if h.entropy_coef:
+        per_tok = per_tok - h.entropy_coef * inp.entropy
     return (per_tok * m).sum(), metrics

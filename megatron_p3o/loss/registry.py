@@ -27,6 +27,7 @@ from .p3o import P3OConfig, p3o_terms
 from .p4o import P4OConfig, p4o_terms
 from .ppo import ClipConfig, clip_terms
 from .reinforce import ReinforceConfig, reinforce_terms
+from .reval import ReValConfig, reval_rewards, reval_terms
 from .terms import LossInputs, StepStats
 
 
@@ -34,7 +35,7 @@ from .terms import LossInputs, StepStats
 class ObjectiveSpec:
     config_cls: type
     terms: Callable
-    needs: Tuple[str, ...] = ()  # of: ess, ess_prox, old, ref(if coef), rewards
+    needs: Tuple[str, ...] = ()  # of: ess, ess_prox, old, ref (also: when a coef is set), value
     # its ratio is against πold when ℓold is given, else against πb ("bypass"): the trainer
     # recomputes ℓold unless ``loss.old_logprobs: behaviour`` (PPO, GRPO, DAPO, GSPO, CISPO)
     old_optional: bool = False
@@ -46,10 +47,16 @@ class ObjectiveSpec:
     # its ratio is against the engine's πb (P3O, P4O): the engine must sample from exactly the
     # distribution the trainer scores (no top-p/top-k truncation the trainer does not apply)
     behavior_ratio: bool = False
+    # the logits are the model (ReVal's soft Q-values): sampling at temperature 1, untruncated
+    unit_temperature: bool = False
 
 
 def _oapl_advantages(rewards: Tensor, group_ids: Tensor, hyper: OAPLConfig) -> Tensor:
     return oapl_advantages(rewards, group_ids, hyper.beta1)
+
+
+def _reval_rewards(rewards: Tensor, group_ids: Tensor, hyper: ReValConfig) -> Tensor:
+    return reval_rewards(rewards, group_ids, hyper)
 
 
 OBJECTIVES: Dict[str, ObjectiveSpec] = {
@@ -87,6 +94,14 @@ OBJECTIVES: Dict[str, ObjectiveSpec] = {
         oapl_terms,
         per_sequence=True,
         advantages=_oapl_advantages,
+    ),
+    "reval": ObjectiveSpec(
+        ReValConfig,
+        reval_terms,
+        needs=("ref", "value"),
+        per_sequence=True,
+        advantages=_reval_rewards,
+        unit_temperature=True,
     ),
 }
 
@@ -134,7 +149,18 @@ class Objective:
 
     @property
     def needs_ref_logprobs(self) -> bool:
-        return bool(getattr(self.hyper, "ref_kl_coef", 0) or getattr(self.hyper, "kl_coef", 0))
+        return "ref" in self.spec.needs or bool(
+            getattr(self.hyper, "ref_kl_coef", 0) or getattr(self.hyper, "kl_coef", 0)
+        )
+
+    @property
+    def needs_value(self) -> bool:
+        """V_θ(s₁) and V_ref(s₁), the log-partitions at each first completion token (ReVal)."""
+        return "value" in self.spec.needs
+
+    @property
+    def unit_temperature(self) -> bool:
+        return self.spec.unit_temperature
 
     @property
     def needs_entropy(self) -> bool:
@@ -148,6 +174,8 @@ class Objective:
             (self.needs_old_logprobs, inp.old_logprobs, "old_logprobs (ℓold/ℓprox)"),
             (self.needs_ref_logprobs, inp.ref_logprobs, "ref_logprobs (ℓref)"),
             (self.needs_entropy, inp.entropy, "entropy"),
+            (self.needs_value, inp.values, "values (V_θ(s₁))"),
+            (self.needs_value, inp.ref_values, "ref_values (V_ref(s₁))"),
         ):
             if need and value is None:
                 raise ValueError(f"objective {self.name!r} with {self.hyper} needs {hint}")
@@ -224,6 +252,8 @@ def policy_loss(
     rewards: Optional[Tensor] = None,
     group_ids: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
+    values: Optional[Tensor] = None,
+    ref_values: Optional[Tensor] = None,
     sample_ids=None,
     **hyper,
 ) -> Tuple[Tensor, Dict[str, float]]:
@@ -233,7 +263,8 @@ def policy_loss(
         name: objective name (``p3o`` default; see :data:`OBJECTIVES`).
         logprobs: ℓθ ``[B, T]`` (differentiable). behavior_logprobs: ℓb ``[B, T]``.
         advantages: ``[B, T]`` or per-sequence ``[B]``. mask: ``[B, T]`` valid response tokens.
-        old_logprobs / ref_logprobs / rewards / group_ids / entropy: as the objective needs.
+        old_logprobs / ref_logprobs / rewards / group_ids / entropy / values / ref_values: as
+            the objective needs (ReVal: ``advantages`` are its per-sequence r).
         sample_ids: optional names of the B samples, used in error messages.
         **hyper: the objective's hyper-parameters.
 
@@ -255,6 +286,8 @@ def policy_loss(
         entropy,
         rewards,
         group_ids,
+        values,
+        ref_values,
     )
     obj.check_inputs(inp)
     stats = step_stats(obj, inp)

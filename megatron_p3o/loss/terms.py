@@ -27,6 +27,9 @@ class LossInputs:
         entropy: per-token entropy ``[B, T]`` of πθ, or None.
         rewards: ``[B]`` scalar rewards (OAPL), or None.
         group_ids: ``[B]`` prompt-group id of each sequence (OAPL), or None.
+        values: V_θ(s₁) ``[B]``, the log-partition of the policy's logits where each sequence's
+            first completion token is predicted (ReVal), differentiable; or None.
+        ref_values: V_ref(s₁) ``[B]`` of the reference model (ReVal), or None.
     """
 
     logprobs: Tensor
@@ -38,6 +41,8 @@ class LossInputs:
     entropy: Optional[Tensor] = None
     rewards: Optional[Tensor] = None
     group_ids: Optional[Tensor] = None
+    values: Optional[Tensor] = None
+    ref_values: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ class EmbeddedBackend(RolloutBackend):
         s = self.scheduler
         with s.engine_lock:  # borrowed from the rollout producer for the duration
             s.ensure_weights(pub)
-            return self.engine.generate(prompts, 1, sampling)
+            with self.engine.base_head():  # the policy is the base head (R2PO)
+                return self.engine.generate(prompts, 1, sampling)
 
     def _evaluator(self, precision: str, version: int):
         """A second, noise-free engine in the trainer's precision for evaluation (built on first
@@ -126,7 +127,8 @@ class EmbeddedBackend(RolloutBackend):
             )
             self._eval_engine = e
         if e.weight_version != version:
-            e.update_weights([self.weights.full()], version)
+            policy = [(n, t) for n, t in self.weights.full() if not n.startswith("rollout_head.")]
+            e.update_weights([policy], version)
         return e
 
 
@@ -170,8 +172,10 @@ def build_backend(
     pending: Sequence[dict],
     params_dtype: str,
     pad_token_id: int,
+    rollout_head: bool = False,
 ) -> RolloutBackend:
-    """The backend ``cfg.engine`` names; engines it started are stopped if it fails."""
+    """The backend ``cfg.engine`` names; engines it started are stopped if it fails.
+    ``rollout_head``: the engine samples with R2PO's residual head (embedded engine only)."""
     from ..model.description import description_to_hf_config
 
     if cfg.engine == "embedded":
@@ -182,6 +186,7 @@ def build_backend(
         engine = EmbeddedEngine(
             hf, cfg.precision, pad_token_id=pad_token_id, device=device,
             logit_noise=cfg.logit_noise, fp8_kv_cache=cfg.fp8_kv_cache,
+            rollout_head=rollout_head,
         )  # fmt: skip
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, pending)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes

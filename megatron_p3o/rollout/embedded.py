@@ -19,6 +19,11 @@ the lm_head and embeddings (kept in bf16, as FP8 checkpoints do), and K's roundi
 Sampling is batched with a KV cache; each token's log-prob is taken under exactly the
 distribution it was drawn from (softmax(logits / T), truncated by top-k / top-p when enabled).
 
+R2PO's residual rollout head (``rollout_head=True``): the engine samples from
+softmax((W_lm·h + W₂·ReLU(W₁·h)) / T), h the final normalized hidden state (a hook on
+``lm_head``); ``rollout_head.w1.weight`` / ``rollout_head.w2.weight`` arrive with the other
+weights, and :meth:`EmbeddedEngine.base_head` switches the residual off (evaluation).
+
 Stress knob ``logit_noise`` (σ): every sampling step draws ε ~ N(0, σ²) per vocabulary entry and
 samples from softmax((z + ε) / T), reporting the exact log-probs of that perturbed distribution:
 a precision-like train–rollout mismatch with honest ℓb (unlike corrupting the reported ℓb).
@@ -27,6 +32,7 @@ a precision-like train–rollout mismatch with honest ℓb (unlike corrupting th
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -114,6 +120,7 @@ class EmbeddedEngine(RolloutEngine):
         device: str = "cpu",
         logit_noise: float = 0.0,
         fp8_kv_cache: bool = False,
+        rollout_head: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -132,6 +139,9 @@ class EmbeddedEngine(RolloutEngine):
         if fp8_kv_cache and not precision.startswith("fp8"):
             raise ValueError("rollout.fp8_kv_cache needs an fp8 rollout.precision")
         self._fp8_hooks(precision == "fp8_w8a8", fp8_kv_cache)
+        self.head_on = rollout_head
+        if rollout_head:
+            self._add_rollout_head(cfg)
         self.params: Dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.max_batch, self.pad_token_id = max_batch, pad_token_id
         if logit_noise < 0:
@@ -156,6 +166,35 @@ class EmbeddedEngine(RolloutEngine):
                 mod.register_forward_pre_hook(lambda m, a: (fp8_activation_quant(a[0]),))
             if kv and leaf in ("k_proj", "v_proj"):
                 mod.register_forward_hook(lambda m, a, out: fp8_kv_round(out))
+
+    def _add_rollout_head(self, cfg) -> None:
+        """W₁ (d×d), W₂ (V×d) as ``rollout_head.w1/w2`` and a hook adding W₂·ReLU(W₁·h) to the
+        lm_head's logits while ``head_on``."""
+        d, v = cfg.hidden_size, cfg.vocab_size
+        head = torch.nn.Module()
+        with self.device:
+            head.w1 = torch.nn.Linear(d, d, bias=False, dtype=self.dtype)
+            head.w2 = torch.nn.Linear(d, v, bias=False, dtype=self.dtype)
+        torch.nn.init.zeros_(head.w1.weight)
+        torch.nn.init.zeros_(head.w2.weight)
+        self.model.rollout_head = head
+
+        def add(module, args, out):
+            if not self.head_on:
+                return out
+            h = args[0]
+            return out + head.w2(torch.relu(head.w1(h))).to(out.dtype)
+
+        self.model.get_output_embeddings().register_forward_hook(add)
+
+    @contextmanager
+    def base_head(self):
+        """Sample from the base head only inside the block (evaluation of the policy)."""
+        on, self.head_on = self.head_on, False
+        try:
+            yield
+        finally:
+            self.head_on = on
 
     # -- weights ------------------------------------------------------------------------------
     def _to_engine(self, name: str, t: Tensor) -> Tensor:

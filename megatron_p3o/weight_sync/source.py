@@ -7,7 +7,7 @@ groups, so every rank calls the same method at the same point.
 
 from __future__ import annotations
 
-from typing import Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,20 @@ class TrainerWeights:
     """HF-named views of the model chunks of this rank's pipeline stage."""
 
     def __init__(
-        self, chunks: Sequence[torch.nn.Module], groups: ParallelGroups, desc: ModelDescription
+        self,
+        chunks: Sequence[torch.nn.Module],
+        groups: ParallelGroups,
+        desc: ModelDescription,
+        extra: Optional[Callable[[], "NamedTensors"]] = None,
     ):
-        self.chunks, self.groups, self.desc = chunks, groups, desc
+        """``extra``: more HF-named tensors of this stage (R2PO's rollout head)."""
+        self.chunks, self.groups, self.desc, self.extra = chunks, groups, desc, extra
 
     def full(self) -> NamedTensors:
         """Every HF tensor, full size, on every rank (all ranks call this)."""
         tensors = list(iter_hf_tensors(self.chunks, self.groups, self.desc))
+        if self.extra is not None:
+            tensors += self.extra()
         if self.groups.layout.pp_enabled:
             parts: List = [None] * self.groups.layout.pp
             # PP group: each stage exported its own layers; every rank's engine needs them all.

@@ -67,7 +67,7 @@ def test_bad_recipes_one_clear_message(tmp_path, text, needle):
         (["steps=0"], 1, "steps=0 must be >= 1"),
         (["rollout.logprob_noise=-0.5"], 1, "rollout.logprob_noise=-0.5 must be >= 0"),
         (["rollout.engine_temperature=0"], 1, "rollout.engine_temperature=0.0 must be > 0"),
-        (["replay.policy=fifo"], 1, "replay.policy='fifo'; choose 'none' or 'bapo'"),
+        (["replay.policy=lifo"], 1, "replay.policy='lifo'; choose 'none', 'bapo' or 'fifo'"),
         (
             ["replay.quality_min=0.9", "replay.quality_max=0.1"],
             1,

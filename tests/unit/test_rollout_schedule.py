@@ -251,7 +251,7 @@ def test_replay_none_passes_through():
     out, st = buf.compose(gs, 0)
     assert out == gs and st["homogeneous_groups"] == 2 and buf.take_reeval() == []
     with pytest.raises(ValueError, match="replay.policy"):
-        ReplayBuffer(ReplayConfig(policy="fifo"))
+        ReplayBuffer(ReplayConfig(policy="lifo"))
 
 
 def test_prompt_shards_are_disjoint_and_cover_an_epoch(tmp_path):
