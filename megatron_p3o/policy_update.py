@@ -333,6 +333,8 @@ class PolicyUpdate:
         the loss side sums over DP only."""
         for mb in microbatches:
             nest_response(mb)
+        if self.objective.per_sequence:
+            _check_whole_sequences(microbatches, self.objective.name)
         self._check_behavior_logprobs(microbatches)
         n_tok, n_seq = self._global_counts(microbatches)
         acc = StepMetrics()
@@ -401,6 +403,23 @@ class PolicyUpdate:
             box, src=self.groups.last_stage_global_rank(), group=self.groups.pp
         )
         return box[0]
+
+
+def _check_whole_sequences(microbatches: List[MicroBatch], name: str) -> None:
+    """Objectives over per-sequence values (ReVal's δ², OAPL's and GSPO's sums, GRPO's
+    sequence-mean) need each sequence in exactly one micro-batch: a sequence seen twice would
+    be squared (or counted) in pieces."""
+    seen: Dict[int, int] = {}
+    for k, mb in enumerate(microbatches):
+        ids = mb["response"].get("sample_index")
+        for sid in ids.tolist() if ids is not None else ():
+            if sid in seen:
+                raise ValueError(
+                    f"objective {name!r}: sample {sid} is in micro-batches {seen[sid]} and {k} "
+                    "of one optimizer step; its per-sequence terms need the whole sequence in one "
+                    "micro-batch (never split a sequence)"
+                )
+            seen[sid] = k
 
 
 def _fuse(microbatches: List[MicroBatch], k: int) -> List[MicroBatch]:

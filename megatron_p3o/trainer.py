@@ -280,6 +280,9 @@ class Trainer:
         toks = sum(len(s.completion_ids) for s in batch.samples)
         lens = [len(s.completion_ids) for s in batch.samples]
         cut = sum(s.finish_reason == "length" for s in batch.samples)
+        distinct: Dict[int, set] = {}  # rollout diversity: distinct completions per prompt group
+        for s, gi in zip(batch.samples, batch.group_index.tolist()):
+            distinct.setdefault(gi, set()).add(tuple(s.completion_ids))
         n_steps = b.epochs * b.minibatches
         out = {
             "step": self.step_idx,
@@ -289,6 +292,7 @@ class Trainer:
             "completion_len": toks / len(batch.samples),
             "completion_len_max": float(max(lens)),
             "truncation_rate": cut / len(batch.samples),
+            "distinct_per_group": sum(len(v) for v in distinct.values()) / max(len(distinct), 1),
             "train_tok_per_s": n_steps
             * metrics.get("n_tokens", 0.0)
             / max(seconds["train_s"], 1e-9),
@@ -313,6 +317,7 @@ class Trainer:
         "reward_mean",
         "completion_len",
         "truncation_rate",
+        "distinct_per_group",
         "staleness_mean",
         "rollout_s",
         "rollout_wait_s",

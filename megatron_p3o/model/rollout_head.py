@@ -123,26 +123,35 @@ class RolloutHead:
         for p in self.parameters():
             p.grad = None
 
+    def reduce_grads(self) -> None:
+        """Sum the head's gradients over DP×CP (each rank's tokens gave a share of the step's
+        gradient; the loss already carries the step's global normalizer)."""
+        if not self.on_stage:
+            return
+        for p in self.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if dist.get_world_size(self.groups.dp_cp) > 1:
+                # DP×CP group: the head gradient of the whole optimizer step.
+                dist.all_reduce(p.grad, group=self.groups.dp_cp)
+
     def step(self) -> float:
-        """Sum the head's gradients over DP×CP, clip by their global norm, AdamW; returns the
-        norm (last stage; NaN elsewhere)."""
+        """:meth:`reduce_grads`, clip by the global norm, AdamW; returns the norm (last stage;
+        NaN elsewhere)."""
         if not self.on_stage:
             return float("nan")
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters()]
-        if dist.get_world_size(self.groups.dp_cp) > 1:
-            for g in grads:
-                # DP×CP group: each rank's tokens gave a share of the step's head gradient.
-                dist.all_reduce(g, group=self.groups.dp_cp)
-        sq = torch.stack([grads[1].double().pow(2).sum()])
+        self.reduce_grads()
+        w1, w2 = self.w1.grad, self.w2.grad
+        sq = w2.double().pow(2).sum().reshape(1)
         if self.groups.layout.tp_enabled:
             # TP group: W₂'s shards together make its norm (W₁ is replicated: counted once).
             dist.all_reduce(sq, group=self.groups.tp)
-        norm = float((sq[0] + grads[0].double().pow(2).sum()).sqrt())
+        norm = float((sq[0] + w1.double().pow(2).sum()).sqrt())
         c = self.cfg.clip_grad
-        scale = min(1.0, c / (norm + 1e-6)) if c else 1.0
-        for p, g in zip(self.parameters(), grads):
-            p.grad = g * scale
-        if norm == norm and norm != float("inf"):
+        if c and norm > c:
+            for p in self.parameters():
+                p.grad.mul_(c / (norm + 1e-6))
+        if norm == norm and norm != float("inf"):  # non-finite gradients: no update
             self.opt.step()
         self.zero_grad()
         return norm
