@@ -110,10 +110,12 @@ def balance_over_dp(items: List, lengths: List[int], group, dp_rank: int) -> Tup
 
 
 def agree_on_count(n: int, group, device) -> int:
-    """The largest ``n`` over the DP group (micro-batch counts that must match across ranks)."""
+    """The largest ``n`` over the DP group (micro-batch counts, or token counts, that must match
+    across ranks)."""
     if group is None or dist.get_world_size(group) == 1:
         return n
     t = torch.tensor([n], dtype=torch.int64, device=device)
-    # DP group: per-micro-batch collectives (ESS scope "microbatch") need equal counts.
+    # DP group: per-micro-batch collectives (ESS scope "microbatch", MoE token dispatch over
+    # the expert-parallel ranks) need equal counts.
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())

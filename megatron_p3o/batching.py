@@ -208,7 +208,10 @@ class MicroBatcher:
     """Builds every optimizer step's micro-batches of one rollout batch on this rank.
 
     ``equal_counts``: every DP rank gets the same number of micro-batches per step (needed when
-    a collective runs per micro-batch, e.g. ESS scope "microbatch").
+    a collective runs per micro-batch, e.g. ESS scope "microbatch"). Under expert parallelism
+    every forward exchanges tokens with the other expert-parallel ranks (DP ranks of the dense
+    layers): counts are then always equal, and packed micro-batches share one token count
+    (Megatron's allgather dispatcher gathers equal shapes).
     """
 
     def __init__(
@@ -220,8 +223,9 @@ class MicroBatcher:
         equal_counts: bool = False,
     ):
         self.cfg, self.groups, self.seq_length, self.pad_id = cfg, groups, seq_length, pad_id
-        self.equal_counts = equal_counts
         lay = groups.layout
+        self.equal_shapes = lay.ep_enabled
+        self.equal_counts = equal_counts or lay.ep_enabled
         self.align = 2 * lay.cp if lay.cp_enabled else 1
         tp_sp = lay.tp if lay.sequence_parallel else 1
         self.multiple = math.lcm(self.align, lay.cp * tp_sp)
@@ -271,8 +275,10 @@ class MicroBatcher:
             if count != len(bins):
                 bins, oversize = pack_by_budget(lens, budget, min_count=count)
         pad_to = 0
-        if g.layout.pp_enabled:  # one activation shape for the whole pipeline schedule
+        if g.layout.pp_enabled or self.equal_shapes:  # one activation shape for the schedule
             pad_to = max(_round_up(max(sum(lens[i] for i in b), 1), self.multiple) for b in bins)
+        if self.equal_shapes:  # ... and for every expert-parallel rank's token dispatch
+            pad_to = agree_on_count(pad_to, g.dp, g.device)
         mbs = []
         for b in bins:
             chosen = [mine[i] for i in b]

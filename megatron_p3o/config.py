@@ -79,7 +79,7 @@ class TrainConfig:
     def validate(self, world_size: int) -> "TrainConfig":
         """Choices, ranges, layout and batch arithmetic; returns self."""
         from .loss import build_objective
-        from .parallel import Layout, LayoutError
+        from .parallel import LayoutError
 
         self._check_sglang(world_size)
         if (
@@ -138,14 +138,7 @@ class TrainConfig:
                 f"{self.parallel.world_size} GPUs but the launch has {world_size} ranks"
             )
         try:
-            lay = Layout(
-                self.parallel.tp,
-                self.parallel.pp,
-                self.parallel.cp,
-                None,
-                self.parallel.vpp,
-                self.parallel.sequence_parallel,
-            ).resolve(world_size)
+            lay = self.parallel.layout().resolve(world_size)
             if self.batch.max_tokens_per_gpu is None:  # padded rows are what CP splits
                 lay.check_sequence(self.model.seq_length)
         except LayoutError as e:

@@ -16,6 +16,13 @@ B. Megatron's CUDA RNG tracker is replaced by one that forks the CPU generator
 C. A ``TorchFunctionMode`` that rewrites ``device="cuda"`` arguments to CPU, makes ``.cuda()`` a
    no-op, drops ``pin_memory``, and reports ``torch.cuda.*Tensor`` type names (the distributed
    optimizer checks them); ``torch.cuda.synchronize`` and ``current_stream`` become no-ops.
+D. CUDA streams (the MoE ``alltoall`` token dispatcher copies its split sizes to the host on a
+   side stream): ``torch.cuda.Stream()`` and ``current_stream()`` are one no-op stand-in (so the
+   dispatcher sees itself on the current stream and records nothing), events are no-op
+   stand-ins, ``torch.cuda.stream(s)`` an empty context. Its host copy of the split sizes
+   (``moe_utils.maybe_move_tensor_to_cpu(as_numpy=True)``) converts only CUDA tensors, so on
+   CPU the sizes would stay tensors, which ``all_to_all_single`` refuses: CPU tensors asked for
+   as numpy become numpy.
 """
 
 from __future__ import annotations
@@ -114,7 +121,7 @@ class _CpuRNGStatesTracker:
 
 
 def install() -> bool:
-    """Install shims A, B and C once per process. Returns False (and does nothing) with CUDA."""
+    """Install shims A–D once per process. Returns False (and does nothing) with CUDA."""
     global _INSTALLED
     if torch.cuda.is_available():
         return False
@@ -125,9 +132,20 @@ def install() -> bool:
     # A: current_device is used as a device argument throughout Megatron-Core.
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_stream = lambda *a, **k: types.SimpleNamespace(
-        synchronize=lambda: None, wait_stream=lambda *_: None, record_event=lambda *_: None
+    # D: one stand-in for every stream (the current one and any side stream).
+    event = types.SimpleNamespace(
+        synchronize=lambda: None, wait=lambda *_: None, query=lambda: True, record=lambda *_: None
     )
+    stream = types.SimpleNamespace(
+        synchronize=lambda: None,
+        wait_stream=lambda *_: None,
+        record_event=lambda *_: event,
+        wait_event=lambda *_: None,
+    )
+    torch.cuda.Event = lambda *a, **k: event
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     # B: a CPU RNG tracker in place of the CUDA one.
     tracker_cls = type(
         "CpuRNGStatesTracker", (_CpuRNGStatesTracker, mrandom.CudaRNGStatesTracker), {}
@@ -136,6 +154,17 @@ def install() -> bool:
     mrandom.CudaRNGStatesTracker = tracker_cls
     mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    move = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
     # C: CUDA device arguments become CPU ones, for the rest of the process.
     _CudaToCpuMode().__enter__()
     _INSTALLED = True

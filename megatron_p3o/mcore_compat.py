@@ -27,13 +27,19 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(*, use_te: bool, qk_norm: bool):
-    """The GPT decoder layer spec: Transformer Engine's or the local (pure PyTorch) one."""
+def layer_spec(*, use_te: bool, qk_norm: bool, num_experts=None):
+    """The GPT decoder layer spec: Transformer Engine's or the local (pure PyTorch) one; with
+    ``num_experts`` an MoE layer (sequential local experts: no grouped GEMM)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm
+        )
+    return specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+        normalization="RMSNorm",
+    )  # fmt: skip
 
 
 def forward_backward_func(pp: int, vpp: int | None):
@@ -54,3 +60,13 @@ def megatron_optimizer(config, model_chunks, pg_collection):
         # non-dist checkpoint formats of the distributed optimizer need them).
         kwargs.update(pg_collection=pg_collection, use_gloo_process_groups=False)
     return get_megatron_optimizer(config, model_chunks, **kwargs)
+
+
+def moe_without_te() -> None:
+    """Megatron-Core 0.16's ``moe_utils`` imports ``te_general_gemm`` only when Transformer
+    Engine is installed, yet its fp32 router GEMM reads the name unconditionally (NameError
+    without TE); defining it as None selects the plain-torch branch, as Megatron intends."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

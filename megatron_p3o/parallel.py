@@ -24,8 +24,10 @@ from .errors import UserError
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Attributes: tp / pp / cp sizes, vpp (virtual stages per rank), sequence_parallel, and
-    world_size: the GPU count the recipe is written for (checked at launch; None = any)."""
+    """Attributes: tp / pp / cp sizes, vpp (virtual stages per rank), sequence_parallel,
+    ep (expert parallelism: experts split over ep ranks) and etp (tensor parallelism inside each
+    expert; None = tp), and world_size: the GPU count the recipe is written for (checked at
+    launch; None = any)."""
 
     tp: int = 1
     pp: int = 1
@@ -33,6 +35,13 @@ class ParallelConfig:
     vpp: Optional[int] = None
     sequence_parallel: bool = False
     world_size: Optional[int] = None
+    ep: int = 1
+    etp: Optional[int] = None
+
+    def layout(self) -> "Layout":
+        return Layout(
+            self.tp, self.pp, self.cp, None, self.vpp, self.sequence_parallel, self.ep, self.etp
+        )
 
 
 class LayoutError(UserError, ValueError):
@@ -50,6 +59,9 @@ class Layout:
         dp: data-parallel size; ``None`` means world_size / (tp·pp·cp).
         vpp: virtual pipeline stages per rank (interleaved 1F1B); ``None`` disables it.
         sequence_parallel: Megatron sequence parallelism (GPU/TE only for now).
+        ep: expert-parallel size (MoE layers: each rank holds num_experts / ep experts; the
+            expert ranks are carved out of the ranks that share a pipeline stage).
+        etp: tensor-parallel size inside each expert; ``None`` means tp.
     """
 
     tp: int = 1
@@ -58,6 +70,8 @@ class Layout:
     dp: Optional[int] = None
     vpp: Optional[int] = None
     sequence_parallel: bool = False
+    ep: int = 1
+    etp: Optional[int] = None
 
     def resolve(self, world_size: int) -> "Layout":
         """Check the layout against ``world_size`` and return it with ``dp`` filled in."""
@@ -83,6 +97,16 @@ class Layout:
                 raise LayoutError(f"parallel layout: vpp={self.vpp} needs pp >= 2 (pp={self.pp})")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("parallel layout: sequence_parallel=True needs tp > 1 (tp=1)")
+        etp = self.tp if self.etp is None else self.etp
+        if self.ep < 1 or etp < 1:
+            raise LayoutError(f"parallel layout: ep={self.ep}, etp={etp} must be >= 1")
+        expert_mp = etp * self.ep * self.pp
+        if world_size % expert_mp:
+            raise LayoutError(
+                f"parallel layout: world size {world_size} is not divisible by "
+                f"etp×ep×pp = {etp}×{self.ep}×{self.pp} = {expert_mp} (the expert layers' "
+                "tensor × expert × pipeline split)"
+            )
         return Layout(
             self.tp,
             self.pp,
@@ -90,6 +114,8 @@ class Layout:
             dp,
             None if self.vpp in (None, 1) else self.vpp,
             self.sequence_parallel,
+            self.ep,
+            etp,
         )
 
     # capabilities: read these instead of comparing sizes with 1
@@ -109,6 +135,10 @@ class Layout:
     def dp_enabled(self) -> bool:
         return (self.dp or 1) > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     def check_hardware(self) -> None:
         """What this machine cannot run (arithmetic is ``resolve``'s job, so a CPU can plan a GPU
         layout with ``--dry-run``)."""
@@ -119,8 +149,27 @@ class Layout:
                 "Set sequence_parallel: false."
             )
 
-    def check_model(self, *, num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+    def check_model(
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        num_experts: int = 0,
+        expert_ffn: int = 0,
+    ) -> None:
         """Refuse a model that cannot be split by this layout."""
+        if self.ep > 1 and not num_experts:
+            raise LayoutError(f"parallel layout: ep={self.ep} needs a mixture-of-experts model")
+        if num_experts and num_experts % self.ep:
+            raise LayoutError(
+                f"parallel layout: num_experts={num_experts} is not divisible by ep={self.ep}"
+            )
+        etp = self.tp if self.etp is None else self.etp
+        if num_experts and expert_ffn % etp:
+            raise LayoutError(
+                f"parallel layout: moe_intermediate_size={expert_ffn} is not divisible by etp={etp}"
+            )
         if num_heads % self.tp:
             raise LayoutError(
                 f"parallel layout: num_attention_heads={num_heads} is not divisible by tp={self.tp}"
@@ -257,6 +306,8 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         # On gloo every group already is a gloo group; duplicates would only add threads.
         create_gloo_process_groups=dist.get_backend() != "gloo",
     )
@@ -274,7 +325,7 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
     pgc = ProcessGroupCollection.use_mpu_process_groups(
         required_pgs=["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp"]
     )
-    # The distributed optimizer and DDP also look for these (no expert parallelism here).
+    # The distributed optimizer, DDP and the MoE layers also look for these.
     pgc.intra_dp_cp = ps.get_data_parallel_group(
         with_context_parallel=True, partial_data_parallel=True
     )

@@ -56,16 +56,24 @@ def describe_model(cfg: TrainConfig) -> Tuple[ModelDescription, int]:
 
 
 def layer_params(d: ModelDescription) -> Tuple[int, int]:
-    """(TP-sharded, replicated) parameter counts of one transformer layer."""
+    """(TP-sharded, replicated) parameter counts of one transformer layer, without its routed
+    experts (:func:`expert_params`); an MoE layer's router is replicated."""
     q = d.num_heads * d.head_dim
     kv = d.num_kv_heads * d.head_dim
-    sharded = (
-        d.hidden_size * (q + 2 * kv) + q * d.hidden_size + 3 * d.hidden_size * d.intermediate_size
-    )
+    sharded = d.hidden_size * (q + 2 * kv) + q * d.hidden_size
+    if not d.is_moe:
+        sharded += 3 * d.hidden_size * d.intermediate_size
     if d.qkv_bias:
         sharded += q + 2 * kv
     replicated = 2 * d.hidden_size + (2 * d.head_dim if d.qk_norm else 0)
+    if d.is_moe:
+        replicated += d.hidden_size * d.num_experts
     return sharded, replicated
+
+
+def expert_params(d: ModelDescription) -> int:
+    """Routed-expert parameters of one layer (SwiGLU: 3·h·ffn each), split over ep × etp."""
+    return d.num_experts * 3 * d.hidden_size * d.moe_intermediate_size
 
 
 @dataclass
@@ -93,21 +101,26 @@ def make_plan(
     p = cfg.parallel
     tp, pp, cp = p.tp, p.pp, p.cp
     dp = world_size // (tp * pp * cp)
-    from .parallel import Layout, LayoutError
+    from .parallel import LayoutError
 
     try:
-        Layout(tp, pp, cp, dp, p.vpp, p.sequence_parallel).check_model(
-            num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads
-        )
+        p.layout().resolve(world_size).check_model(
+            num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads,
+            num_experts=desc.num_experts, expert_ffn=desc.moe_intermediate_size,
+        )  # fmt: skip
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     vpad = padded_vocab_size(desc.vocab_size, tp, divisible_by)
     sh, rep = layer_params(desc)
+    ex = expert_params(desc)
+    lay = p.layout().resolve(world_size)
+    ex_split = lay.ep * lay.etp  # each GPU holds experts / ep, each split over etp
     h, L = desc.hidden_size, desc.num_layers
     emb = vpad * h
     out = 0 if desc.tie_word_embeddings else vpad * h
-    total = L * (sh + rep) + desc.vocab_size * h * (1 if desc.tie_word_embeddings else 2) + h
+    total = L * (sh + rep + ex) + desc.vocab_size * h * (1 if desc.tie_word_embeddings else 2) + h
     per_stage = -(-L // pp)
+    n_ex = per_stage * ex // ex_split
     first = per_stage * (sh // tp + rep) + emb // tp + (out // tp + h if pp == 1 else 0)
     last = (
         per_stage * (sh // tp + rep)
@@ -115,13 +128,16 @@ def make_plan(
         + h
         + (emb // tp if desc.tie_word_embeddings and pp > 1 else 0)
     )
-    n = max(first, last)
+    n_dense = max(first, last)
+    n = n_dense + n_ex
     pb = _BYTES[cfg.model.params_dtype]
     o = cfg.optim
     grads = n * (4 if o.grad_reduce_in_fp32 else pb)
-    opt = n * (8 + (4 if pb < 4 else 0))
-    if o.distributed_optimizer:
-        opt /= dp * cp
+    per_param = 8 + (4 if pb < 4 else 0)
+    opt = n_dense * per_param + n_ex * per_param
+    if o.distributed_optimizer:  # dense state over DP×CP, expert state over expert-DP
+        expert_dp = world_size // (lay.etp * lay.ep * pp)
+        opt = n_dense * per_param / (dp * cp) + n_ex * per_param / expert_dp
     seqs = cfg.batch.prompts_per_rollout * cfg.rollout.n_samples // cfg.batch.minibatches
     budget = cfg.batch.max_tokens_per_gpu
     if budget is None:  # padded: micro_batch_size rows of seq_length

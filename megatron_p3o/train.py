@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from rich.console import Console
 
-    from megatron_p3o.parallel import Layout, init_distributed, initialize
+    from megatron_p3o.parallel import init_distributed, initialize
     from megatron_p3o.trainer import Trainer
 
     if cfg.parallel.tp > 1:  # Megatron's TP comm/compute overlap needs one CUDA queue
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     init_distributed()
     cfg.validate(dist.get_world_size()).check_rollout_gpus(dist.get_world_size())
     p = cfg.parallel
-    layout = Layout(p.tp, p.pp, p.cp, None, p.vpp, p.sequence_parallel)
+    layout = p.layout()
     groups = initialize(layout, seed=cfg.run.seed)
     con = Console(quiet=groups.rank != 0, soft_wrap=True)  # paths are printed whole, never wrapped
     con.print(f"layout {groups.layout}; {cfg.batch_arithmetic(groups.layout.dp)}")

@@ -59,6 +59,12 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def tensor_maps(desc: ModelDescription) -> List[TensorMap]:
     """Every Megatron tensor of the model, in checkpoint order."""
+    if desc.is_moe:
+        raise MappingError(
+            f"{desc.architecture}: HF ↔ Megatron conversion and weight sync of mixture-of-experts "
+            "models are not implemented yet (the trainer builds and trains MoE layers with "
+            "expert parallelism; the expert/router name mapping is the missing piece)"
+        )
     maps = [
         TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)
     ]

@@ -64,6 +64,9 @@ class BuildOptions:
         fp8: TE FP8 recipe ("hybrid"/"e4m3") or None.
         init_method_std: std of the random initialization (when not loading weights).
         recompute: activation recomputation ("selective", "full") or None.
+        moe_dispatcher: Megatron's MoE token dispatcher (both run on CPU under gloo).
+        moe_aux_loss_coeff: load-balancing loss weight (0 = off; the router's HF coefficient is
+            informational only).
     """
 
     params_dtype: torch.dtype = torch.float32
@@ -73,6 +76,8 @@ class BuildOptions:
     fp8: Optional[str] = None
     init_method_std: float = 0.02
     recompute: Optional[str] = None
+    moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    moe_aux_loss_coeff: float = 0.0
 
 
 def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: BuildOptions):
@@ -81,8 +86,9 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
 
     lay = groups.layout
     lay.check_model(
-        num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads
-    )
+        num_layers=desc.num_layers, num_heads=desc.num_heads, num_kv_heads=desc.num_kv_heads,
+        num_experts=desc.num_experts, expert_ffn=desc.moe_intermediate_size,
+    )  # fmt: skip
     lay.check_sequence(opts.seq_length)
     if desc.sliding_window is not None and opts.seq_length > desc.sliding_window:
         raise LayoutError(
@@ -134,11 +140,33 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
         batch_p2p_comm=not on_gloo,
         fp8=opts.fp8,
     )
+    if desc.is_moe:
+        kw.update(_moe_config(desc, lay, opts))
     if opts.recompute:
         kw.update(recompute_granularity=opts.recompute)
         if opts.recompute == "full":
             kw.update(recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kw)
+
+
+def _moe_config(desc: ModelDescription, lay, opts: BuildOptions) -> dict:
+    """Routed experts as Qwen3-MoE / Mixtral compute them: softmax router in fp32, top-k, the
+    top-k probabilities renormalized when ``norm_topk_prob`` (Megatron: top-k of the logits,
+    then softmax over them) or the plain softmax probabilities otherwise (``pre_softmax``)."""
+    return dict(
+        num_moe_experts=desc.num_experts,
+        moe_router_topk=desc.num_experts_per_tok,
+        moe_ffn_hidden_size=desc.moe_intermediate_size,
+        moe_router_pre_softmax=not desc.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if opts.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=opts.moe_dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.etp,
+    )
 
 
 def resolve_use_te(opts: BuildOptions) -> bool:
@@ -161,7 +189,11 @@ def build_model(
 
     config = transformer_config(desc, groups, opts)
     use_te = resolve_use_te(opts)
-    spec = mcore_compat.layer_spec(use_te=use_te, qk_norm=desc.qk_norm)
+    if desc.is_moe and not use_te:
+        mcore_compat.moe_without_te()
+    spec = mcore_compat.layer_spec(
+        use_te=use_te, qk_norm=desc.qk_norm, num_experts=desc.num_experts or None
+    )
     if not use_te:  # padded or packed, with or without CP (see local_attention)
         from .local_attention import LocalCoreAttention
 

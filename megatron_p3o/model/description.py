@@ -21,7 +21,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -51,6 +54,13 @@ class ModelDescription:
         sliding_window: attention window (Mistral v0.1); None when full attention.
         torch_dtype: dtype named in the HF config (informational).
         bos_token_id / eos_token_id / pad_token_id: special tokens, as in the HF config.
+        num_experts: routed experts per MoE layer (0 = a dense model).
+        num_experts_per_tok: top-k of the router.
+        moe_intermediate_size: SwiGLU width of one expert.
+        norm_topk_prob: renormalize the top-k router probabilities to sum to 1 (Qwen3-MoE's
+            flag; Mixtral always does).
+        router_aux_loss_coef: the load-balancing loss weight of the HF config (informational:
+            training uses ``model.moe_aux_loss_coeff``).
     """
 
     architecture: str
@@ -73,10 +83,19 @@ class ModelDescription:
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None
     pad_token_id: Optional[int] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelDescription":
@@ -122,6 +141,7 @@ class ModelDescription:
             qkv_bias = True
         else:
             qkv_bias = bool(cfg.get("attention_bias", False))
+        moe = _moe_fields(cfg, family, source)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -136,13 +156,14 @@ class ModelDescription:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             sliding_window=int(window) if window else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
+            **moe,
         )
 
     @classmethod
@@ -164,7 +185,54 @@ class ModelDescription:
         return cls(**d)
 
 
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+def _moe_fields(cfg: dict, family: str, source: str) -> dict:
+    """The MoE part of a Qwen3-MoE / Mixtral config; refuses MoE variants not implemented
+    (shared experts, DeepSeek's grouped routing, dense layers between MoE layers)."""
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise UnsupportedModelError(
+                f"{source}: {key}={cfg[key]}: shared experts are not supported "
+                "(Qwen3-MoE and Mixtral routed experts only)"
+            )
+    for key in ("n_group", "topk_group"):
+        if cfg.get(key) not in (None, 0, 1):
+            raise UnsupportedModelError(
+                f"{source}: {key}={cfg[key]}: grouped (DeepSeek-style) routing is not supported"
+            )
+    if family not in MOE_FAMILIES:
+        if cfg.get("num_experts") or cfg.get("num_local_experts"):
+            raise UnsupportedModelError(
+                f"{source}: experts in a {family} config; MoE is supported for Qwen3-MoE and "
+                "Mixtral"
+            )
+        return {}
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise UnsupportedModelError(
+            f"{source}: mlp_only_layers={cfg.get('mlp_only_layers')}, decoder_sparse_step="
+            f"{cfg.get('decoder_sparse_step')}: dense layers between MoE layers are not supported"
+        )
+    if family == "qwen3_moe":
+        experts, ffn = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
+        norm = bool(cfg.get("norm_topk_prob", False))
+    else:  # Mixtral: softmax over the selected experts' logits, i.e. normalized top-k
+        experts, ffn, norm = int(cfg["num_local_experts"]), int(cfg["intermediate_size"]), True
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=ffn,
+        norm_topk_prob=norm,
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)),
+    )
+
+
+_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
+}
 
 
 def description_to_hf_config(desc: ModelDescription, dtype: str = "float32") -> dict:
@@ -197,6 +265,23 @@ def description_to_hf_config(desc: ModelDescription, dtype: str = "float32") -> 
         cfg["mlp_bias"] = False
     elif desc.family == "mistral":
         cfg["sliding_window"] = desc.sliding_window
-    elif desc.family == "qwen3":
+    elif desc.family in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = desc.qkv_bias
+    if desc.family == "qwen3_moe":
+        cfg.update(
+            num_experts=desc.num_experts,
+            num_experts_per_tok=desc.num_experts_per_tok,
+            moe_intermediate_size=desc.moe_intermediate_size,
+            norm_topk_prob=desc.norm_topk_prob,
+            router_aux_loss_coef=desc.router_aux_loss_coef,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    elif desc.family == "mixtral":
+        cfg.update(
+            num_local_experts=desc.num_experts,
+            num_experts_per_tok=desc.num_experts_per_tok,
+            intermediate_size=desc.moe_intermediate_size,
+            router_aux_loss_coef=desc.router_aux_loss_coef,
+        )
     return cfg

@@ -99,7 +99,7 @@ def run_cell(
     (also written to ``cell.json`` on rank 0)."""
     import torch.distributed as dist
 
-    from ..parallel import Layout, initialize
+    from ..parallel import initialize
     from ..trainer import Trainer
 
     run_dir = Path(cfg.run.dir) / cfg.run.name
@@ -109,9 +109,7 @@ def run_cell(
         # World: nobody may open the run directory before rank 0 has cleared it.
         dist.barrier()
     p = cfg.parallel
-    groups = initialize(
-        Layout(p.tp, p.pp, p.cp, None, p.vpp, p.sequence_parallel), seed=cfg.run.seed
-    )
+    groups = initialize(p.layout(), seed=cfg.run.seed)
     t0 = time.perf_counter()
     steps: List[dict] = []
     trainer = Trainer(cfg, groups)

@@ -56,6 +56,23 @@ FAMILIES = {
         tie_word_embeddings=False,
         qkv_bias=True,
     ),
+    "qwen3moe": dict(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=290,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
     "llama4l": dict(
         architecture="LlamaForCausalLM",
         vocab_size=300,
@@ -88,8 +105,9 @@ def make_batch(family: str, seed: int = 7, batch: int = BATCH, seq: int = SEQ):
     return {"tokens": tokens, "targets": next_token_targets(tokens), "loss_mask": mask}
 
 
-def _build(family, groups, seq=SEQ):
-    return build_model(desc_of(family), groups, BuildOptions(seq_length=seq))
+def _build(family, groups, seq=SEQ, dispatcher="allgather"):
+    opts = BuildOptions(seq_length=seq, moe_dispatcher=dispatcher)
+    return build_model(desc_of(family), groups, opts)
 
 
 def save_init(groups, family: str, out: str, seed: int = 3):

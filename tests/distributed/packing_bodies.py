@@ -56,10 +56,11 @@ def _my_share(samples, adv, groups):
 
 
 def packed_step(
-    groups, family, init, out, mode="packed", objective="p3o", balance=True, scope="step"
-):
+    groups, family, init, out, mode="packed", objective="p3o", balance=True, scope="step",
+    dispatcher="allgather",
+):  # fmt: skip
     """One optimizer step's gradients (saved to ``out``) with packed or padded micro-batches."""
-    chunks = _build(family, groups, seq=BUDGET)
+    chunks = _build(family, groups, seq=BUDGET, dispatcher=dispatcher)
     load_model_state(chunks, init)
     ddp = wrap_ddp(chunks, groups, OptimConfig())
     samples = make_samples(family)

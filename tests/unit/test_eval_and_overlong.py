@@ -56,8 +56,9 @@ def test_truncated_completions_leave_the_loss_normalizer(packed):
 
     samples = [_s(3, "stop"), _s(5, "length"), _s(2, "stop"), _s(5, "length")]
     adv = torch.tensor([1.0, -1.0, 0.5, 0.2])
-    lay = SimpleNamespace(cp_enabled=False, cp=1, tp=1, sequence_parallel=False,
-                          pp_enabled=False, dp_enabled=False, dp=1)  # fmt: skip
+    from megatron_p3o.parallel import Layout
+
+    lay = Layout().resolve(1)
     groups = SimpleNamespace(layout=lay, dp=None, dp_rank=0, device=torch.device("cpu"))
     counts = {}
     for mask_truncated in (False, True):

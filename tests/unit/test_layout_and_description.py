@@ -94,3 +94,39 @@ def test_description_refuses_unsupported():
         ModelDescription.from_hf_config(_hf(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'"):
         ModelDescription.from_hf_config(_hf(hidden_act="gelu"))
+
+
+def _moe_cfg(**kw):
+    cfg = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=32,
+               intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+               num_experts_per_tok=2, norm_topk_prob=False, router_aux_loss_coef=0.001)  # fmt: skip
+    cfg.update(kw)
+    return cfg
+
+
+def test_moe_descriptions_and_refusals():
+    from megatron_p3o.model.description import (
+        ModelDescription,
+        UnsupportedModelError,
+        description_to_hf_config,
+    )
+
+    d = ModelDescription.from_hf_config(_moe_cfg())
+    assert (d.num_experts, d.num_experts_per_tok, d.moe_intermediate_size) == (4, 2, 16)
+    assert d.is_moe and d.qk_norm and not d.norm_topk_prob
+    assert ModelDescription.from_hf_config(description_to_hf_config(d)) == d
+    mix = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=32,
+               intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)  # fmt: skip
+    m = ModelDescription.from_hf_config(mix)
+    assert (m.num_experts, m.moe_intermediate_size, m.norm_topk_prob, m.qk_norm) == (
+        8, 48, True, False)  # fmt: skip
+    for bad, what in (
+        (dict(shared_expert_intermediate_size=64), "shared experts"),
+        (dict(n_group=4, topk_group=2), "grouped"),
+        (dict(mlp_only_layers=[0]), "dense layers between MoE layers"),
+        (dict(decoder_sparse_step=2), "dense layers between MoE layers"),
+    ):
+        with pytest.raises(UnsupportedModelError, match=what):
+            ModelDescription.from_hf_config(_moe_cfg(**bad))
