@@ -109,6 +109,32 @@ def _response(
     }
 
 
+def _routes(samples: Sequence[Sample], starts: Sequence[int], b: int, s: int):
+    """``[b, s, layers, k]`` int16 grid of the engine's recorded experts (MoE), -1 where none
+    were recorded (each sequence's last token, padding, fillers); None when no sample has any."""
+    have = [x.routed_experts for x in samples if x.routed_experts is not None]
+    if not have:
+        return None
+    grid = torch.full((b * s,) + tuple(have[0].shape[1:]), -1, dtype=torch.int16)  # host
+    for x, a in zip(samples, starts):
+        r = x.routed_experts
+        if r is not None:
+            grid[a : a + r.shape[0]] = r.to(torch.int16)
+    return grid.reshape((b, s) + tuple(have[0].shape[1:]))
+
+
+def _with_routes(mb: MicroBatch, samples, starts, mode: Optional[str]) -> MicroBatch:
+    """Adds ``routed_experts`` and ``route_mode`` (``rollout.routing_replay``) for MoE."""
+    if mode is None:
+        return mb
+    b, s = mb["tokens"].shape
+    grid = _routes(samples, starts, b, s)
+    if grid is not None:
+        mb["routed_experts"] = grid
+    mb["route_mode"] = mode
+    return mb
+
+
 def padded_microbatches(
     samples: Sequence[Sample],
     advantages,
@@ -117,8 +143,10 @@ def padded_microbatches(
     pad_id: int = 0,
     first_index: int = 0,
     mask_truncated: bool = False,
+    route_mode: Optional[str] = None,
 ) -> List[MicroBatch]:
-    """Samples (in order) in micro-batches of ``micro_batch_size`` rows of ``seq_length``."""
+    """Samples (in order) in micro-batches of ``micro_batch_size`` rows of ``seq_length``;
+    ``route_mode`` (MoE): carry the engine's recorded experts (see :mod:`.model.routing`)."""
     if len(samples) % micro_batch_size:
         raise ValueError(
             f"{len(samples)} samples do not split into micro-batches of {micro_batch_size}"
@@ -135,13 +163,12 @@ def padded_microbatches(
             targets[i, : len(seq) - 1] = seq[1:]
         ids = range(first_index + k, first_index + k + len(part))
         starts = [i * seq_length for i in range(len(part))]
-        out.append(
-            {
-                "tokens": tokens,
-                "targets": targets,
-                "response": _response(part, adv[k : k + len(part)], starts, ids, mask_truncated),
-            }
-        )
+        mb = {
+            "tokens": tokens,
+            "targets": targets,
+            "response": _response(part, adv[k : k + len(part)], starts, ids, mask_truncated),
+        }
+        out.append(_with_routes(mb, part, starts, route_mode))
     return out
 
 
@@ -155,6 +182,7 @@ def packed_microbatch(
     multiple: int = 1,
     pad_to: int = 0,
     mask_truncated: bool = False,
+    route_mode: Optional[str] = None,
 ) -> MicroBatch:
     """One ``[1, T]`` row: the samples back to back, each padded to a multiple of ``align``,
     plus one unscored filler sequence up to a multiple of ``multiple`` (and ``pad_to``)."""
@@ -176,13 +204,14 @@ def packed_microbatch(
             targets[0, a : a + len(q) - 1] = torch.tensor(q[1:])  # host
         position_ids[0, a : a + n] = torch.arange(n)  # host
         starts.append(a + n)
-    return {
+    mb = {
         "tokens": tokens,
         "targets": targets,
         "position_ids": position_ids,
         "cu_seqlens": torch.tensor(starts, dtype=torch.int32),  # host
         "response": _response(samples, advantages, starts[: len(samples)], ids, mask_truncated),
     }
+    return _with_routes(mb, samples, starts[: len(samples)], route_mode)
 
 
 def nest_response(mb: MicroBatch) -> MicroBatch:
@@ -221,8 +250,10 @@ class MicroBatcher:
         seq_length: int,
         pad_id: int,
         equal_counts: bool = False,
+        route_mode: Optional[str] = None,
     ):
         self.cfg, self.groups, self.seq_length, self.pad_id = cfg, groups, seq_length, pad_id
+        self.route_mode = route_mode  # MoE: "r3" replays the engine's experts, "off" compares
         lay = groups.layout
         self.equal_shapes = lay.ep_enabled
         self.equal_counts = equal_counts or lay.ep_enabled
@@ -246,7 +277,7 @@ class MicroBatcher:
             if self.cfg.max_tokens_per_gpu is None:
                 mbs = padded_microbatches(
                     samples[sl], adv[sl], self.seq_length, self.cfg.micro_batch_size,
-                    self.pad_id, m * per, self.cfg.mask_truncated,
+                    self.pad_id, m * per, self.cfg.mask_truncated, self.route_mode,
                 )  # fmt: skip
                 st = {}
                 real = real_tokens(samples[sl])
@@ -293,6 +324,7 @@ class MicroBatcher:
                     self.multiple,
                     pad_to,
                     self.cfg.mask_truncated,
+                    self.route_mode,
                 )  # fmt: skip
             )
         st["oversize_samples"] = float(oversize)

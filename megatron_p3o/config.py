@@ -203,6 +203,12 @@ class TrainConfig:
 
     def _check_sglang(self, world_size: int) -> None:
         r = self.rollout
+        if r.engine == "sglang" and self.parallel.ep > 1:
+            raise ConfigError(
+                f"rollout.engine=sglang with parallel.ep={self.parallel.ep}: streaming expert-"
+                "parallel weight shards to the SGLang server is not implemented yet; use the "
+                "embedded engine, or ep=1"
+            )
         if r.engine == "sglang" and r.weight_sync == "colocated":
             if r.max_staleness > 0 or r.sync_every > 1:
                 raise ConfigError(

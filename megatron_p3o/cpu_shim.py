@@ -28,7 +28,6 @@ D. CUDA streams (the MoE ``alltoall`` token dispatcher copies its split sizes to
 from __future__ import annotations
 
 import contextlib
-import types
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -120,6 +119,48 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
+class _Event:
+    """Shim D: a CUDA event that is always complete."""
+
+    def __init__(self, *_, **__):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *_):
+        pass
+
+    def record(self, *_):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream:
+    """Shim D: the one stream of a CPU process (``Stream()`` is the current stream)."""
+
+    _one = None
+
+    def __new__(cls, *_, **__):
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def synchronize(self):
+        pass
+
+    def wait_stream(self, *_):
+        pass
+
+    def wait_event(self, *_):
+        pass
+
+    def record_event(self, *_):
+        return _Event()
+
+
 def install() -> bool:
     """Install shims A–D once per process. Returns False (and does nothing) with CUDA."""
     global _INSTALLED
@@ -132,19 +173,10 @@ def install() -> bool:
     # A: current_device is used as a device argument throughout Megatron-Core.
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda *a, **k: None
-    # D: one stand-in for every stream (the current one and any side stream).
-    event = types.SimpleNamespace(
-        synchronize=lambda: None, wait=lambda *_: None, query=lambda: True, record=lambda *_: None
-    )
-    stream = types.SimpleNamespace(
-        synchronize=lambda: None,
-        wait_stream=lambda *_: None,
-        record_event=lambda *_: event,
-        wait_event=lambda *_: None,
-    )
-    torch.cuda.Event = lambda *a, **k: event
-    torch.cuda.current_stream = lambda *a, **k: stream
-    torch.cuda.Stream = lambda *a, **k: stream
+    # D: one stand-in for every stream (the current one and any side stream). Classes, not
+    # functions: libraries use ``torch.cuda.Stream`` in type annotations.
+    torch.cuda.Stream, torch.cuda.Event = _Stream, _Event
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     # B: a CPU RNG tracker in place of the CUDA one.
     tracker_cls = type(

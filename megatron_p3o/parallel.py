@@ -214,6 +214,12 @@ class ParallelGroups:
     pos_embd: Optional[dist.ProcessGroup]
     pg_collection: object = field(repr=False)  # megatron.core ProcessGroupCollection
     backend: str = "gloo"
+    ep: Optional[dist.ProcessGroup] = None  # expert-parallel group (MoE layers)
+    expt_tp: Optional[dist.ProcessGroup] = None  # tensor parallelism inside each expert
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.ep) if self.ep is not None else 0
 
     @property
     def tp_rank(self) -> int:
@@ -353,6 +359,8 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
         pos_embd=pgc.pos_embd,
         pg_collection=pgc,
         backend=dist.get_backend(),
+        ep=pgc.ep,
+        expt_tp=pgc.expt_tp,
     )
 
 

@@ -185,7 +185,13 @@ def format_plan(
         f"model: {desc.architecture}, {plan.params_total / 1e9:.2f} B parameters, "
         f"{desc.num_layers} layers, hidden {desc.hidden_size}, vocab {desc.vocab_size}",
         f"layout: world {plan.world_size} = tp {plan.tp} × pp {plan.pp} × cp {plan.cp} × "
-        f"dp {plan.dp}{vpp}{sp}",
+        f"dp {plan.dp}{vpp}{sp}"
+        + (
+            f"; experts: {desc.num_experts} × top-{desc.num_experts_per_tok} over ep "
+            f"{c.parallel.ep} × etp {c.parallel.etp or c.parallel.tp}"
+            if desc.is_moe
+            else ""
+        ),
         c.batch_arithmetic(plan.dp),
         f"memory per GPU (estimate, busiest stage; {plan.params_per_gpu / 1e9:.2f} B parameters "
         f"on it, {c.model.params_dtype}, distributed optimizer {dist_opt}):",

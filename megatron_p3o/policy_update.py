@@ -439,7 +439,10 @@ def _concat(mbs: List[MicroBatch]) -> MicroBatch:
     response tensors are stacked too, ``index`` shifted to the stacked grid."""
     if len(mbs) == 1:
         return mbs[0]
-    out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("tokens", "targets")}
+    keys = ("tokens", "targets") + (("routed_experts",) if "routed_experts" in mbs[0] else ())
+    out = {k: torch.cat([mb[k] for mb in mbs]) for k in keys}
+    if "route_mode" in mbs[0]:
+        out["route_mode"] = mbs[0]["route_mode"]
     longest = max(mb["response"]["mask"].shape[1] for mb in mbs)
     resp: Dict[str, torch.Tensor] = {}
     offset = 0

@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .types import Group, Sample
+from .types import Group, Sample, routes_in, routes_out
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,7 @@ class TrajectoryFIFO:
                     "group_id": s.group_id,
                     "reward": s.reward,
                     "advantage": a,
+                    "routed_experts": routes_out(s.routed_experts),
                 }
                 for s, a in self.items
             ]
@@ -228,4 +229,5 @@ class TrajectoryFIFO:
         for d in st.get("fifo", []):
             d = dict(d)
             a = float(d.pop("advantage"))
+            d["routed_experts"] = routes_in(d.get("routed_experts"))
             self.items.append((Sample(**d), a))

@@ -24,7 +24,7 @@ from .checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from .config import TrainConfig, to_dict
+from .config import ConfigError, TrainConfig, to_dict
 from .hf.dist_stream import read_meta
 from .loss import build_objective
 from .metrics import PhaseTimer, combine_optimizer_steps
@@ -80,6 +80,7 @@ class Trainer:
         self.batcher = MicroBatcher(
             cfg.batch, groups, cfg.model.seq_length, self.tok.pad_token_id or 0,
             equal_counts=self.objective.needs_ess and cfg.loss.ess_scope == "microbatch",
+            route_mode=cfg.rollout.routing_replay if self.desc.is_moe else None,
         )  # fmt: skip
         d = cfg.data
         self.data = PromptData(
@@ -103,6 +104,11 @@ class Trainer:
             use_te=cfg.model.use_te,
             fp8=cfg.model.fp8,
         )
+        if cfg.rollout.routing_replay != "off" and not self.desc.is_moe:
+            raise ConfigError(
+                f"rollout.routing_replay={cfg.rollout.routing_replay!r}: {self.desc.architecture} "
+                "has no mixture-of-experts layers to replay"
+            )
         self.chunks = build_model(self.desc, groups, opts)
         load_model_state(self.chunks, ckpt)
         self.ddp = wrap_ddp(self.chunks, groups, cfg.optim)
@@ -249,7 +255,17 @@ class Trainer:
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
                 metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
                 steps.append((epoch, m, metrics))
-        return {**combine_optimizer_steps(steps), **packing, **ref}
+        return {**combine_optimizer_steps(steps), **packing, **ref, **self._route_metrics()}
+
+    def _route_metrics(self) -> Dict[str, float]:
+        """MoE: per-layer agreement of the trainer's own top-k with the engine's experts, over
+        this batch's forwards (all ranks)."""
+        if not self.desc.is_moe:
+            return {}
+        from .model.routing import agreement
+
+        hooks = [h for c in self.chunks for h in getattr(c, "route_hooks", [])]
+        return agreement(hooks, self.desc.num_layers, self.groups.device)
 
     def _replay_update(self, batch: TrainBatch, adv: torch.Tensor) -> Dict:
         """``replay.policy: fifo`` (ReVal): one more update on a uniform draw of older

@@ -69,6 +69,9 @@ class Sample:
         group_id: index of the prompt in the request (the G completions of a prompt share it).
         reward: filled by the reward stage.
         meta: free-form (answer, data index...).
+        routed_experts: MoE only: ``[P + C − 1, layers, k]`` (uint8/int16 tensor) the experts
+            the engine's routers chose for every token it fed through the model (all but the
+            last), for routing replay; None otherwise.
     """
 
     prompt_ids: List[int]
@@ -79,6 +82,7 @@ class Sample:
     group_id: int = 0
     reward: Optional[float] = None
     meta: dict = field(default_factory=dict)
+    routed_experts: Optional["torch.Tensor"] = None
 
     def __post_init__(self):
         if len(self.completion_ids) != len(self.logprobs):
@@ -142,6 +146,7 @@ class Group:
                     "finish_reason": s.finish_reason,
                     "weight_version": s.weight_version,
                     "reward": s.reward,
+                    "routed_experts": routes_out(s.routed_experts),
                 }
                 for s in self.samples
             ],
@@ -149,7 +154,14 @@ class Group:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Group":
-        samples = [Sample(prompt_ids=list(d["prompt_ids"]), group_id=0, **s) for s in d["samples"]]
+        samples = [
+            Sample(
+                prompt_ids=list(d["prompt_ids"]),
+                group_id=0,
+                **{**s, "routed_experts": routes_in(s.get("routed_experts"))},
+            )
+            for s in d["samples"]
+        ]
         return cls(
             int(d["index"]),
             list(d["prompt_ids"]),
@@ -158,6 +170,17 @@ class Group:
             d["source"],
             int(d["uses"]),
         )
+
+
+def routes_out(r):
+    """Recorded routes in a checkpoint: nested lists (None without MoE)."""
+    return None if r is None else {"dtype": str(r.dtype).replace("torch.", ""), "v": r.tolist()}
+
+
+def routes_in(d):
+    import torch
+
+    return None if d is None else torch.tensor(d["v"], dtype=getattr(torch, d["dtype"]))
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Make the tiny base model of the CPU recipe: a supervised warm-up on 2-digit addition.
 
     python tools/make_tiny_base.py --out runs/tiny_base [--target-acc 0.5] [--max-steps 3000]
+    python tools/make_tiny_base.py --moe --out runs/tiny_moe_base    # Qwen3-MoE: 4 experts, top-2
 
 Deterministic (seeded). Writes ``hf/`` (transformers model + character tokenizer), ``ckpt/``
 (Megatron dist checkpoint via checkpoints_convert), ``train.jsonl`` / ``heldout.jsonl`` and
@@ -64,12 +65,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (4 experts, top-2)")
     a = ap.parse_args(argv)
     from megatron_p3o.quiet import silence_known_warnings
 
     silence_known_warnings()
     from rich.progress import Progress
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from megatron_p3o.tasks.arithmetic import answer, make_tokenizer, prompt, splits, write_jsonl
 
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     train, held = splits(seed=a.seed)
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(held, out / "heldout.jsonl")
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=len(tok),
         hidden_size=64,
         intermediate_size=128,
@@ -96,7 +98,12 @@ def main(argv=None) -> int:
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg)
+    if a.moe:  # same width; each token uses 2 of 4 experts of 64 (≈ the dense MLP's compute)
+        cfg = Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64, norm_topk_prob=True)  # fmt: skip
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(a.seed)
     acc = 0.0

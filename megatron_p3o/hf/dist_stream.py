@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.description import ModelDescription
-from .mapping import TensorMap, split_layer, tensor_maps
+from .mapping import EXPERT_KEY, TensorMap, expert_canonical, split_layer, tensor_maps
 
 P3O_META_FILE = "p3o_model.json"  # the model description and vocab padding, next to the weights
 
@@ -62,7 +62,11 @@ def _chunk_resolver(desc: ModelDescription, source: TensorSource, dtype: torch.d
 
     def resolve(key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         layered = key.startswith("decoder.layers.")
-        if layered:
+        expert = key.startswith("decoder.layers." + EXPERT_KEY)  # axes: layer, expert
+        if expert:
+            name = expert_canonical(key, offsets[0], offsets[1])
+            offsets, sizes = offsets[2:], sizes[2:]
+        elif layered:
             name = key.replace("decoder.layers.", f"decoder.layers.{offsets[0]}.", 1)
             offsets, sizes = offsets[1:], sizes[1:]
         else:
@@ -76,6 +80,8 @@ def _chunk_resolver(desc: ModelDescription, source: TensorSource, dtype: torch.d
         full = cache[name]
         idx = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         out = full[idx].contiguous()
+        if expert:
+            return out[None, None]
         return out.unsqueeze(0) if layered else out
 
     return resolve
@@ -206,6 +212,11 @@ def read_checkpoint(ckpt_dir: str | Path) -> Iterator[Tuple[TensorMap, torch.Ten
             buf = torch.empty(shape, dtype=dtype)
             if li is None:
                 request[tm.mcore] = ShardedTensor.from_rank_offsets(key, buf, replica_id=0)
+            elif tm.expert is not None:  # axes: layer, expert
+                request[tm.mcore] = ShardedTensor.from_rank_offsets(
+                    key, buf[None, None], (0, li, desc.num_layers),
+                    (1, tm.expert, desc.num_experts), replica_id=0,
+                )  # fmt: skip
             else:
                 request[tm.mcore] = ShardedTensor.from_rank_offsets(
                     key, buf.unsqueeze(0), (0, li, desc.num_layers), replica_id=0
@@ -214,4 +225,6 @@ def read_checkpoint(ckpt_dir: str | Path) -> Iterator[Tuple[TensorMap, torch.Ten
         loaded = dist_checkpointing.load(request, str(ckpt_dir), validate_access_integrity=False)
         for tm in tms:
             t = loaded[tm.mcore]
+            if tm.expert is not None:
+                t = t[0]
             yield tm, (t[0] if tm.layer is not None else t)

@@ -40,6 +40,7 @@ class TensorMap:
         kind: "copy", "vocab" (row padding), "qkv" or "fc1" (fusions).
         tp_dim: dimension split over TP ranks (None: replicated).
         layer: global layer index, or None for embedding / final norm / output layer.
+        expert: global expert index of a routed expert's tensor (MoE), else None.
     """
 
     mcore: str
@@ -47,6 +48,7 @@ class TensorMap:
     kind: str
     tp_dim: Optional[int]
     layer: Optional[int] = None
+    expert: Optional[int] = None
 
 
 # local (non-TE) layer-spec module names → canonical (TE) names
@@ -55,16 +57,61 @@ _LOCAL_TO_CANONICAL = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# a routed expert's tensor: canonical ``mlp.experts.{e}.x``, live
+# ``mlp.experts.local_experts.{e}.x``, dist-checkpoint key ``decoder.layers.mlp.experts.experts.x``
+# (layer and expert are axes)
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.)?(\d+)\.(.+)$")
+EXPERT_KEY = "mlp.experts.experts."
+
+
+def moe_hf_names(desc: ModelDescription, layer: int) -> dict:
+    """HF names of one MoE layer: ``router`` and, per expert e, ``gate(e)``/``up(e)``/``down(e)``
+    (the per-expert names of the checkpoint files; transformers >= 5 fuses them in memory)."""
+    h = f"model.layers.{layer}."
+    if desc.family == "mixtral":
+        b = h + "block_sparse_moe."
+        return {
+            "router": b + "gate.weight",
+            "gate": lambda e: f"{b}experts.{e}.w1.weight",
+            "up": lambda e: f"{b}experts.{e}.w3.weight",
+            "down": lambda e: f"{b}experts.{e}.w2.weight",
+        }
+    b = h + "mlp."
+    return {
+        "router": b + "gate.weight",
+        "gate": lambda e: f"{b}experts.{e}.gate_proj.weight",
+        "up": lambda e: f"{b}experts.{e}.up_proj.weight",
+        "down": lambda e: f"{b}experts.{e}.down_proj.weight",
+    }
+
+
+def _mlp_maps(desc: ModelDescription, i: int) -> List[TensorMap]:
+    """The MLP tensors of layer ``i``: dense SwiGLU, or the router and every routed expert."""
+    p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    if not desc.is_moe:
+        return [
+            TensorMap(
+                p + "mlp.linear_fc1.weight",
+                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                "fc1",
+                0,
+                i,
+            ),
+            TensorMap(p + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1, i),
+        ]
+    n = moe_hf_names(desc, i)
+    maps = [TensorMap(p + "mlp.router.weight", (n["router"],), "copy", None, i)]
+    for e in range(desc.num_experts):
+        q = f"{p}mlp.experts.{e}."
+        maps += [
+            TensorMap(q + "linear_fc1.weight", (n["gate"](e), n["up"](e)), "fc1", 0, i, e),
+            TensorMap(q + "linear_fc2.weight", (n["down"](e),), "copy", 1, i, e),
+        ]
+    return maps
 
 
 def tensor_maps(desc: ModelDescription) -> List[TensorMap]:
     """Every Megatron tensor of the model, in checkpoint order."""
-    if desc.is_moe:
-        raise MappingError(
-            f"{desc.architecture}: HF ↔ Megatron conversion and weight sync of mixture-of-experts "
-            "models are not implemented yet (the trainer builds and trains MoE layers with "
-            "expert parallelism; the expert/router name mapping is the missing piece)"
-        )
     maps = [
         TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)
     ]
@@ -123,15 +170,8 @@ def tensor_maps(desc: ModelDescription) -> List[TensorMap]:
                 None,
                 i,
             ),
-            TensorMap(
-                p + "mlp.linear_fc1.weight",
-                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                "fc1",
-                0,
-                i,
-            ),
-            TensorMap(p + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1, i),
         ]
+        maps += _mlp_maps(desc, i)
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
     if not desc.tie_word_embeddings:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "vocab", 0))
@@ -155,11 +195,21 @@ def hf_shapes(desc: ModelDescription) -> Dict[str, Tuple[int, ...]]:
                 h + "self_attn.k_proj.weight": (kv, H),
                 h + "self_attn.v_proj.weight": (kv, H),
                 h + "self_attn.o_proj.weight": (H, q),
-                h + "mlp.gate_proj.weight": (I, H),
-                h + "mlp.up_proj.weight": (I, H),
-                h + "mlp.down_proj.weight": (H, I),
             }
         )
+        if desc.is_moe:
+            n, f = moe_hf_names(desc, i), desc.moe_intermediate_size
+            out[n["router"]] = (desc.num_experts, H)
+            for e in range(desc.num_experts):
+                out.update({n["gate"](e): (f, H), n["up"](e): (f, H), n["down"](e): (H, f)})
+        else:
+            out.update(
+                {
+                    h + "mlp.gate_proj.weight": (I, H),
+                    h + "mlp.up_proj.weight": (I, H),
+                    h + "mlp.down_proj.weight": (H, I),
+                }
+            )
         if desc.qkv_bias:
             out.update(
                 {
@@ -232,20 +282,34 @@ def to_hf(tm: TensorMap, t: Tensor, desc: ModelDescription) -> Dict[str, Tensor]
     }
 
 
-def canonical_name(module_name: str, layer_offset: int = 0) -> str:
-    """A live model's parameter name (either layer spec, stage-local layer index) → canonical."""
+def canonical_name(module_name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """A live model's parameter name (either layer spec, stage-local layer index, EP-rank-local
+    expert index) → canonical."""
     name = module_name[len("module.") :] if module_name.startswith("module.") else module_name
     m = _LAYER_RE.match(name)
     if not m:
         return name
     rest = m.group(2)
     rest = _LOCAL_TO_CANONICAL.get(rest, rest)
+    x = _EXPERT_RE.match(rest)
+    if x:
+        rest = f"mlp.experts.{int(x.group(1)) + expert_offset}.{x.group(2)}"
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
 
 
 def split_layer(canonical: str) -> Tuple[str, Optional[int]]:
-    """``decoder.layers.3.x`` → (``decoder.layers.x``, 3): the dist-checkpoint key and layer."""
+    """``decoder.layers.3.x`` → (``decoder.layers.x``, 3): the dist-checkpoint key and layer
+    (a routed expert's key is ``decoder.layers.mlp.experts.experts.x``: see
+    :func:`split_expert`)."""
     m = _LAYER_RE.match(canonical)
     if not m:
         return canonical, None
-    return f"decoder.layers.{m.group(2)}", int(m.group(1))
+    x = _EXPERT_RE.match(m.group(2))
+    rest = EXPERT_KEY + x.group(2) if x else m.group(2)
+    return f"decoder.layers.{rest}", int(m.group(1))
+
+
+def expert_canonical(key: str, layer: int, expert: int) -> str:
+    """The canonical name of a dist-checkpoint expert chunk (key without layer and expert)."""
+    rest = key[len("decoder.layers.") + len(EXPERT_KEY) :]
+    return f"decoder.layers.{layer}.mlp.experts.{expert}.{rest}"

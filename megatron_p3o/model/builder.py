@@ -221,6 +221,10 @@ def build_model(
         )
         if kind == "llama3":
             _apply_llama3_rope(model, desc)
+        if desc.is_moe:  # the routers' replay hooks (R3; route agreement)
+            from .routing import attach
+
+            model.route_hooks = attach([model])
         model.description = desc
         model.padded_vocab_size = vocab
         model.vp_stage = vp_stage if groups.layout.vpp else None

@@ -212,7 +212,9 @@ def _moe_fields(cfg: dict, family: str, source: str) -> dict:
             f"{cfg.get('decoder_sparse_step')}: dense layers between MoE layers are not supported"
         )
     if family == "qwen3_moe":
-        experts, ffn = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
+        # transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts
+        experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+        ffn = int(cfg["moe_intermediate_size"])
         norm = bool(cfg.get("norm_topk_prob", False))
     else:  # Mixtral: softmax over the selected experts' logits, i.e. normalized top-k
         experts, ffn, norm = int(cfg["num_local_experts"]), int(cfg["intermediate_size"]), True

@@ -8,10 +8,12 @@ context parallelism (Megatron's own ``get_batch_on_this_cp_rank``), runs the mod
 Micro-batch contract: a dict with at least ``tokens`` (input ids) and ``targets`` (the next token
 at each position; masked positions may hold any id), either padded ``[b, s]`` or packed
 ``[1, T]`` with ``cu_seqlens`` (``[n+1]``, see :mod:`~megatron_p3o.model.packed`) and
-``position_ids`` restarting at every sequence. Every other top-level tensor shaped like
-``tokens`` is CP-sliced the same way; anything else (per-sequence values, the nested ``response``
-tensors of the policy loss) reaches the loss function untouched. Without pipeline parallelism the
-micro-batches of a step may differ in shape; with it they share one.
+``position_ids`` restarting at every sequence; MoE models may add ``routed_experts``
+(``[b, s, layers, k]``, the rollout engine's experts) and ``route_mode`` (:mod:`.routing`).
+Every other top-level tensor shaped like ``tokens`` is CP-sliced the same way; anything else (per-
+sequence values, the nested ``response`` tensors of the policy loss) reaches the loss function
+untouched. Without pipeline parallelism the micro-batches of a step may differ in shape; with it
+they share one.
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model)
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+    if "routed_experts" in batch or "route_mode" in batch:  # MoE: the engine's experts (R3)
+        from .routing import set_routes
+
+        set_routes(model, batch.get("routed_experts"), batch.get("route_mode", "off"))
     logits = model(tokens, position_ids, None, packed_seq_params=params)  # [b, s/cp, V/tp]
     return logits, partial(_call_loss, loss_fn, batch)
 

@@ -91,14 +91,17 @@ def packed_seq_params(cu_seqlens: Tensor, device: torch.device):
 
 
 def slice_tokens(batch: Dict, index: Tensor) -> Dict:
-    """This CP rank's tokens of every top-level tensor shaped like ``tokens`` (``index`` from
-    :func:`token_index`, on the tensors' device); everything else passes through."""
+    """This CP rank's tokens of every top-level tensor shaped like ``tokens`` (or ``[b, s,
+    …]``, e.g. recorded MoE routes; ``index`` from :func:`token_index`, on the tensors'
+    device); everything else passes through."""
     shape = batch["tokens"].shape
     b = shape[0]
     out = dict(batch)
     for k, v in batch.items():
-        if torch.is_tensor(v) and v.shape == shape:
-            out[k] = v.reshape(-1).index_select(0, index).reshape(b, -1)
+        if torch.is_tensor(v) and v.shape[:2] == shape and v.dim() >= 2:
+            rest = tuple(v.shape[2:])
+            flat = v.reshape((-1,) + rest).index_select(0, index)
+            out[k] = flat.reshape((b, -1) + rest)
     return out
 
 

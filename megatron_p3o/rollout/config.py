@@ -47,6 +47,10 @@ class RolloutConfig:
         (worker i uses weight_sync_port + i).
     sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
         weights are pushed to each of them (empty: ``sglang.url`` is the one server).
+    routing_replay: mixture-of-experts models: "r3" makes the trainer's forwards (ℓold
+        recompute, ESS pre-pass, gradient pass) use the experts the engine chose for each token
+        (rollout routing replay); "off" lets the trainer route by itself. Both report the
+        per-layer route agreement between engine and trainer.
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"
@@ -68,6 +72,7 @@ class RolloutConfig:
     weight_sync_dir: str = ""
     weight_sync_port: int = 29650
     sglang_workers: List[str] = field(default_factory=list)
+    routing_replay: Literal["off", "r3"] = "off"
 
 
 @dataclass(frozen=True)

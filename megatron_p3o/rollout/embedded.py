@@ -24,6 +24,11 @@ softmax((W_lm·h + W₂·ReLU(W₁·h)) / T), h the final normalized hidden stat
 ``lm_head``); ``rollout_head.w1.weight`` / ``rollout_head.w2.weight`` arrive with the other
 weights, and :meth:`EmbeddedEngine.base_head` switches the residual off (evaluation).
 
+Mixture-of-experts models: the engine records, for every token it feeds through the model
+(prompt and completion, all but the last token), the top-k experts each layer's router chose
+(``Sample.routed_experts [tokens, layers, k]``, uint8/int16), for the trainer's routing replay
+and its route-agreement metric.
+
 Stress knob ``logit_noise`` (σ): every sampling step draws ε ~ N(0, σ²) per vocabulary entry and
 samples from softmax((z + ε) / T), reporting the exact log-probs of that perturbed distribution:
 a precision-like train–rollout mismatch with honest ℓb (unlike corrupting the reported ℓb).
@@ -32,6 +37,7 @@ a precision-like train–rollout mismatch with honest ℓb (unlike corrupting th
 from __future__ import annotations
 
 import math
+import re
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -50,7 +56,17 @@ PRECISIONS = {
     "fp8_w8a8": torch.bfloat16,
 }
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FP8_LINEARS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+)  # fmt: skip
+# one routed expert's tensor as checkpoints name it; transformers >= 5 holds every expert of a
+# layer in two fused parameters: experts.gate_up_proj [E, 2·I, h] (gate rows first) and
+# experts.down_proj [E, h, I]
+_EXPERT_RE = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_ROUTER_RE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
 
 
 def fp8_quant_dequant(w: Tensor, block: Optional[int] = None) -> Tensor:
@@ -142,6 +158,8 @@ class EmbeddedEngine(RolloutEngine):
         self.head_on = rollout_head
         if rollout_head:
             self._add_rollout_head(cfg)
+        self._routes: Optional[List] = None  # per MoE layer: the last call's expert indices
+        self._route_hooks()
         self.params: Dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.max_batch, self.pad_token_id = max_batch, pad_token_id
         if logit_noise < 0:
@@ -187,6 +205,38 @@ class EmbeddedEngine(RolloutEngine):
 
         self.model.get_output_embeddings().register_forward_hook(add)
 
+    def _route_hooks(self) -> None:
+        """A hook on every MoE router (transformers' ``mlp.gate`` returns logits, scores and the
+        top-k indices): the indices of each model call, per layer."""
+        layers = getattr(getattr(self.model, "model", None), "layers", [])
+        gates = [getattr(getattr(layer, "mlp", None), "gate", None) for layer in layers]
+        self.moe_layers = sum(1 for g in gates if g is not None and hasattr(g, "top_k"))
+        if not self.moe_layers:
+            return
+        self._routes = [None] * len(gates)
+        for i, g in enumerate(gates):
+
+            def keep(module, args, out, i=i):
+                self._routes[i] = out[2].detach()
+
+            g.register_forward_hook(keep)
+
+    def _call_routes(self, b: int) -> Optional[Tensor]:
+        """``[b, s, layers, k]`` expert indices of the last model call (None without MoE)."""
+        if self._routes is None:
+            return None
+        r = torch.stack(self._routes, 1)  # [b·s, layers, k]
+        dtype = (
+            torch.uint8
+            if self.model.config.num_experts_per_tok and self._n_experts() < 256
+            else torch.int16
+        )
+        return r.reshape(b, -1, r.shape[1], r.shape[2]).to(dtype).cpu()
+
+    def _n_experts(self) -> int:
+        c = self.model.config
+        return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0))
+
     @contextmanager
     def base_head(self):
         """Sample from the base head only inside the block (evaluation of the policy)."""
@@ -207,21 +257,46 @@ class EmbeddedEngine(RolloutEngine):
             t = fp8_quant_dequant(t, None if self.precision == "fp8" else 128)
         return t
 
+    def _target(self, name: str):
+        """``(parameter name, index into it)`` of an HF tensor: itself, or one routed expert's
+        slice of the fused expert parameters (MoE)."""
+        m = _EXPERT_RE.match(name)
+        if m is None:
+            r = _ROUTER_RE.match(name)
+            return (f"model.layers.{r.group(1)}.mlp.gate.weight" if r else name), ()
+        layer, e, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+        base = f"model.layers.{layer}.mlp.experts."
+        if kind in ("down_proj", "w2"):
+            return base + "down_proj", (e,)
+        n = self.params[base + "gate_up_proj"].shape[1] // 2
+        rows = slice(0, n) if kind in ("gate_proj", "w1") else slice(n, 2 * n)
+        return base + "gate_up_proj", (e, rows)
+
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         seen = set()
+        slices: Dict[str, int] = {}  # fused expert parameters: slices written
         with torch.no_grad():
             for bucket in buckets:
                 for name, tensor in bucket:
-                    p = self.params.get(name)
+                    target, index = self._target(name)
+                    p = self.params.get(target)
                     if p is None:
                         raise KeyError(f"update_weights: engine has no tensor {name!r}")
-                    if tuple(p.shape) != tuple(tensor.shape):
+                    dst = p[index] if index else p
+                    if tuple(dst.shape) != tuple(tensor.shape):
                         raise ValueError(
                             f"update_weights: {name}: shape {tuple(tensor.shape)}, engine "
-                            f"expects {tuple(p.shape)}"
+                            f"expects {tuple(dst.shape)}"
                         )
-                    p.copy_(self._to_engine(name, tensor))
-                    seen.add(name)
+                    dst.copy_(self._to_engine(name, tensor))
+                    if index:
+                        slices[target] = slices.get(target, 0) + 1
+                    else:
+                        seen.add(target)
+        for target, n in slices.items():  # every expert's slices arrived
+            p = self.params[target]
+            if n == p.shape[0] * (2 if target.endswith("gate_up_proj") else 1):
+                seen.add(target)
         expected = set(self.params) - ({"lm_head.weight"} if self.tied else set())
         missing = sorted(expected - seen)
         if missing:
@@ -252,6 +327,11 @@ class EmbeddedEngine(RolloutEngine):
         ids, mask, pos = self._left_pad(prompts)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         b = len(prompts)
+        pre = self._call_routes(b)  # prompt tokens' experts (left-padded rows)
+        L0 = ids.shape[1]
+        routes: List[List[Tensor]] = [
+            [pre[i, L0 - len(p) :]] if pre is not None else [] for i, p in enumerate(prompts)
+        ]
         toks: List[List[int]] = [[] for _ in range(b)]
         lps: List[List[float]] = [[] for _ in range(b)]
         finish = ["length"] * b
@@ -287,7 +367,13 @@ class EmbeddedEngine(RolloutEngine):
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1]
-        return toks, lps, finish
+            fed = self._call_routes(b)
+            if fed is not None:
+                for i in range(b):
+                    if not done[i]:  # its newest token went through the model
+                        routes[i].append(fed[i])
+        routed = [torch.cat(r) if r else None for r in routes]
+        return toks, lps, finish, routed
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
@@ -303,8 +389,8 @@ class EmbeddedEngine(RolloutEngine):
         samples: List[Sample] = []
         for s in range(0, len(flat), self.max_batch):
             part = flat[s : s + self.max_batch]
-            toks, lps, fin = self._sample_batch([p for _, p in part], sampling, gen)
-            for (g, p), t, lp, f in zip(part, toks, lps, fin):
+            toks, lps, fin, routed = self._sample_batch([p for _, p in part], sampling, gen)
+            for (g, p), t, lp, f, r in zip(part, toks, lps, fin, routed):
                 samples.append(
                     Sample(
                         prompt_ids=p,
@@ -313,6 +399,7 @@ class EmbeddedEngine(RolloutEngine):
                         finish_reason=f,
                         weight_version=self.weight_version,
                         group_id=g,
+                        routed_experts=r,
                     )
                 )
         return samples

@@ -29,13 +29,17 @@ def _unwrap(chunk):
 
 
 def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> torch.Tensor:
-    """The TP=1 tensor from this rank's shard."""
-    tp = groups.layout.tp
+    """The TP=1 tensor from this rank's shard (a routed expert's: over the expert-TP group)."""
+    expert = tm.expert is not None
+    tp = groups.layout.etp if expert else groups.layout.tp
     if tm.tp_dim is None or tp == 1:
         return local.detach()
     parts = [torch.empty_like(local) for _ in range(tp)]
-    # TP group: every rank holds one slice of this tensor; the engine needs it whole.
-    dist.all_gather(parts, local.detach().contiguous(), group=groups.tp)
+    # TP group (expert-TP for expert weights): every rank holds one slice of this tensor; the
+    # engine needs it whole.
+    dist.all_gather(
+        parts, local.detach().contiguous(), group=groups.expt_tp if expert else groups.tp
+    )
     if tm.kind == "fc1":  # each shard is [gate_r; up_r]
         halves = [p.chunk(2, 0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
@@ -49,8 +53,11 @@ def iter_hf_tensors(
 
     Every TP rank of the stage must iterate (the gathers are collectives); every rank then
     holds the same full tensors. Tied output layers are skipped (the embedding is exported).
+    Under expert parallelism a rank yields only its own experts (global expert numbers; see
+    :func:`is_expert`).
     """
     by_name: Dict[str, TensorMap] = {tm.mcore: tm for tm in tensor_maps(desc)}
+    first_expert = groups.ep_rank * (desc.num_experts // groups.layout.ep) if desc.is_moe else 0
     for chunk in chunks:
         model = _unwrap(chunk)
         numbers = {}
@@ -62,7 +69,7 @@ def iter_hf_tensors(
             m = _LOCAL_LAYER.match(name)
             if m:
                 local = int(m.group(1))
-                name = canonical_name(name, numbers[local] - local)
+                name = canonical_name(name, numbers[local] - local, first_expert)
             else:
                 name = canonical_name(name)
             tm = by_name.get(name)
@@ -70,6 +77,11 @@ def iter_hf_tensors(
                 raise KeyError(f"parameter {name} has no HF mapping for {desc.architecture}")
             full = _gather_tp(param, tm, groups)
             yield from to_hf(tm, full, desc).items()
+
+
+def is_expert(hf_name: str) -> bool:
+    """An HF tensor of one routed expert (held by one expert-parallel rank)."""
+    return ".experts." in hf_name
 
 
 def iter_hf_buckets(

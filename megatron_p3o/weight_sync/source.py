@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..model.description import ModelDescription
 from ..parallel import ParallelGroups
-from .export import iter_hf_tensors
+from .export import is_expert, iter_hf_tensors
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
 
@@ -42,6 +42,14 @@ class TrainerWeights:
             # PP group: each stage exported its own layers; every rank's engine needs them all.
             dist.all_gather_object(parts, tensors, group=self.groups.pp)
             tensors = [t for p in parts for t in p]
+        if self.groups.layout.ep_enabled:
+            mine = [(n, t) for n, t in tensors if is_expert(n)]
+            parts = [None] * self.groups.layout.ep
+            # EP group: each expert-parallel rank holds num_experts / ep of every MoE layer's
+            # experts; every rank's engine needs them all.
+            dist.all_gather_object(parts, mine, group=self.groups.ep)
+            tensors = [(n, t) for n, t in tensors if not is_expert(n)]
+            tensors += [t for p in parts for t in p]
         return tensors
 
     def to_rank0(self) -> Iterator[Tuple[str, torch.Tensor]]:

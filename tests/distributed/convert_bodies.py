@@ -39,6 +39,32 @@ FAMILIES = {
         "Qwen3ForCausalLM",
         dict(vocab_size=317, head_dim=24, tie_word_embeddings=False),
     ),
+    # mixture of experts: 4 experts, top-2, normalized top-k; QK-norm
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            vocab_size=290,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
+    # mixture of experts, Mixtral's names (w1/w3/w2, block_sparse_moe)
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            vocab_size=300,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
     # sharded safetensors with an index
     "mistral": (
         "MistralConfig",
@@ -103,6 +129,8 @@ def ckpt_logits(groups, ckpt: str, ids):
     """Full logits ``[b, s, V]`` of the checkpoint loaded at this layout (None off the last
     stage)."""
     meta, chunks = _load(groups, ckpt)
+    for c in chunks:  # inference (MoE layers refuse TP without sequence parallelism in training)
+        c.eval()
     got = []
 
     def loss_fn(batch, logits):
@@ -131,6 +159,28 @@ def resave_at_layout(groups, ckpt: str, out: str):
     meta, chunks = _load(groups, ckpt)
     payload = json.loads((Path(ckpt) / P3O_META_FILE).read_text())
     save_model_state(chunks, out, extra_files={P3O_META_FILE: payload})
+
+
+def live_full(groups, ckpt: str):
+    """``TrainerWeights.full()``: every HF tensor on every rank (the embedded engine's view)."""
+    from megatron_p3o.weight_sync.source import TrainerWeights
+
+    meta, chunks = _load(groups, ckpt)
+    return dict(TrainerWeights(chunks, groups, meta["description"]).full())
+
+
+def engine_logits(groups, ckpt: str, ids, precision: str = "fp32"):
+    """Logits of an embedded engine fed by ``TrainerWeights.full()`` at this layout."""
+    from megatron_p3o.model.description import description_to_hf_config
+    from megatron_p3o.rollout.embedded import EmbeddedEngine
+    from megatron_p3o.weight_sync.source import TrainerWeights
+
+    meta, chunks = _load(groups, ckpt)
+    desc = meta["description"]
+    engine = EmbeddedEngine(description_to_hf_config(desc), precision)
+    engine.update_weights([TrainerWeights(chunks, groups, desc).full()], 1)
+    with torch.no_grad():
+        return engine.model(input_ids=ids).logits.float()
 
 
 def live_export(groups, ckpt: str):
@@ -184,7 +234,7 @@ def te_shaped_load(groups, ckpt: str):
     checkpoint, which has none; a model needing a tensor the checkpoint lacks is refused."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from megatron_p3o.checkpoint import _load, _load_into, sharded_model_state
+    from megatron_p3o.checkpoint import load_into, load_sharded, sharded_model_state
     from megatron_p3o.errors import CheckpointError
 
     meta = read_meta(ckpt)
@@ -204,15 +254,15 @@ def te_shaped_load(groups, ckpt: str):
     key = "te_probe._extra_state"
     request = sharded_model_state(chunks)
     request["model0"][key] = ShardedObject(key, None, (1,), (0,), replica_id=0)
-    loaded = _load(request, ckpt)
-    _load_into(chunks[0], loaded["model0"], ckpt)
+    loaded = load_sharded(request, ckpt)
+    load_into(chunks[0], loaded["model0"], ckpt)
     out = {"extra_absent": key not in loaded["model0"], "loaded": len(loaded["model0"])}
     request = sharded_model_state(chunks)
     request["model0"]["decoder.extra.weight"] = ShardedTensor.from_rank_offsets(
         "decoder.extra.weight", torch.zeros(2), replica_id=0
     )
     try:
-        _load(request, ckpt)
+        load_sharded(request, ckpt)
         out["refused"] = None
     except CheckpointError as e:
         out["refused"] = str(e)

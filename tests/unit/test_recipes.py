@@ -12,7 +12,7 @@ import yaml
 
 from megatron_p3o.config import ConfigError, load_config
 from megatron_p3o.model.description import ModelDescription
-from megatron_p3o.plan import layer_params, make_plan
+from megatron_p3o.plan import expert_params, layer_params, make_plan
 from megatron_p3o.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,9 @@ def test_dry_run_names_the_problem(capsys, monkeypatch):
     assert "batch.max_tokens_per_gpu=0 must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "tiny-llama"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "tiny-llama", "tiny-qwen3-moe"]
+)
 def test_parameter_count_matches_transformers(name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -97,7 +99,7 @@ def test_parameter_count_matches_transformers(name):
     assert plan.params_total == ref, (plan.params_total, ref)
     sharded, replicated = layer_params(desc)
     layer0 = sum(p.numel() for p in model.model.layers[0].parameters())
-    assert sharded + replicated == layer0
+    assert sharded + replicated + expert_params(desc) == layer0
 
 
 def test_stress_grid_cells_are_valid_recipes(monkeypatch):
