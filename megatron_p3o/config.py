@@ -306,6 +306,8 @@ def _coerce(path: str, value: Any, tp) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{path}: None is not allowed")
     if origin is Literal:  # the choices live in the annotation, checked once here
+        if isinstance(value, bool) and ("off" if not value else "on") in args:
+            value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on as a bool
         _choice(path, value, args)
         return value
     if dataclasses.is_dataclass(tp):

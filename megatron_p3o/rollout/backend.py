@@ -210,6 +210,11 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
     inner = None
     if groups.rank == 0:
         sg = replace(cfg.sglang, deterministic=cfg.sglang.deterministic or cfg.deterministic)
+        if hf_config.get("num_experts_per_tok"):  # MoE: ask for every token's experts (R3)
+            sg = replace(
+                sg,
+                routed_experts=(hf_config["num_hidden_layers"], hf_config["num_experts_per_tok"]),
+            )
         router = SGLangEngine(sg)
         workers = [SGLangEngine(replace(sg, url=u)) for u in cfg.sglang_workers]
         inner = SGLangFleet(router, workers or [router]).start()

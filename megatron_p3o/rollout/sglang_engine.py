@@ -103,6 +103,10 @@ class SGLangConfig:
     max_restarts: restarts of a launched server that died (then a clear error).
     max_retries: retries of one request after a connection failure.
     deterministic: ``--enable-deterministic-inference`` (also set by ``rollout.deterministic``).
+    routed_experts: ``(layers, top-k)`` of an MoE model: launch with
+        ``--enable-return-routed-experts``, send ``return_routed_experts`` and decode
+        ``meta_info.routed_experts`` (base64 int32, ``[P + C − 1, layers, k]`` in SGLang 0.5.23)
+        into ``Sample.routed_experts``; set by the backend for MoE models. GPU-unverified.
     extra_args: more ``sglang.launch_server`` arguments.
     """
 
@@ -122,6 +126,7 @@ class SGLangConfig:
     max_restarts: int = 2
     max_retries: int = 3
     deterministic: bool = False
+    routed_experts: Optional[Tuple[int, int]] = None
     extra_args: Tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -135,6 +140,8 @@ def server_args(cfg: SGLangConfig) -> List[str]:
         args += ["--kv-cache-dtype", cfg.kv_cache_dtype]
     if cfg.deterministic:
         args += ["--enable-deterministic-inference"]
+    if cfg.routed_experts:
+        args += ["--enable-return-routed-experts"]
     return args + list(cfg.extra_args)
 
 
@@ -160,9 +167,13 @@ def launch_command(cfg: SGLangConfig) -> List[str]:
 
 
 def generate_payload(
-    prompt_ids: Sequence[int], sampling: SamplingParams, seed: Optional[int]
+    prompt_ids: Sequence[int],
+    sampling: SamplingParams,
+    seed: Optional[int],
+    routed_experts: bool = False,
 ) -> dict:
-    """The ``/generate`` body for one completion of one prompt."""
+    """The ``/generate`` body for one completion of one prompt (with ``routed_experts``: the
+    experts of every token from the first prompt token on, ``routed_experts_start_len`` 0)."""
     sp = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -174,18 +185,48 @@ def generate_payload(
         sp["stop_token_ids"] = list(sampling.stop_token_ids)
     if seed is not None:
         sp["sampling_seed"] = int(seed)
-    return {
+    body = {
         "input_ids": list(map(int, prompt_ids)),
         "sampling_params": sp,
         "return_logprob": True,
-        "logprob_start_len": -1,
-    }  # output tokens only
+        "logprob_start_len": -1,  # output tokens only
+    }
+    if routed_experts:
+        body.update(return_routed_experts=True, routed_experts_start_len=0)
+    return body
+
+
+def decode_routed_experts(meta: dict, n_tokens: int, shape: Tuple[int, int], rid) -> torch.Tensor:
+    """``meta_info.routed_experts`` (base64 of int32) → ``[n_tokens, layers, k]`` int16."""
+    import base64
+
+    import numpy as np
+
+    raw = meta.get("routed_experts")
+    if raw is None:
+        raise EngineResponseError(
+            f"SGLang request {rid}: no meta_info.routed_experts (is the server launched with "
+            "--enable-return-routed-experts?)"
+        )
+    a = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    layers, k = shape
+    if a.size != n_tokens * layers * k:
+        raise EngineResponseError(
+            f"SGLang request {rid}: routed_experts holds {a.size} values, expected "
+            f"{n_tokens} tokens × {layers} layers × top-{k}"
+        )
+    return torch.from_numpy(a.reshape(n_tokens, layers, k).astype(np.int16))
 
 
 def parse_generate_response(
-    resp: dict, prompt_ids: Sequence[int], group_id: int, fallback_version: Optional[int] = None
+    resp: dict,
+    prompt_ids: Sequence[int],
+    group_id: int,
+    fallback_version: Optional[int] = None,
+    routed_experts: Optional[Tuple[int, int]] = None,
 ) -> Sample:
-    """One SGLang ``/generate`` response → :class:`Sample` (refuses aborted / non-finite ones)."""
+    """One SGLang ``/generate`` response → :class:`Sample` (refuses aborted / non-finite ones);
+    ``routed_experts`` = (layers, k) decodes the recorded experts (MoE)."""
     meta = resp.get("meta_info") or {}
     rid = meta.get("id", "?")
     fin = meta.get("finish_reason")
@@ -223,6 +264,9 @@ def parse_generate_response(
             f"SGLang request {rid}: the server reports weight_version {version!r}, not a version "
             "the trainer pushed; its samples cannot be attributed to a policy"
         ) from None
+    routes = None
+    if routed_experts is not None and ids:
+        routes = decode_routed_experts(meta, len(prompt_ids) + len(ids) - 1, routed_experts, rid)
     return Sample(
         prompt_ids=list(prompt_ids),
         completion_ids=ids,
@@ -231,6 +275,7 @@ def parse_generate_response(
         weight_version=version,
         group_id=group_id,
         meta={"rid": rid},
+        routed_experts=routes,
     )
 
 
@@ -376,8 +421,10 @@ class SGLangEngine(RolloutEngine):
 
         def one(job):
             g, p, seed = job
-            resp = self._post_with_recovery("/generate", generate_payload(p, sampling, seed))
-            return parse_generate_response(resp, p, g)
+            shape = self.cfg.routed_experts
+            body = generate_payload(p, sampling, seed, routed_experts=shape is not None)
+            resp = self._post_with_recovery("/generate", body)
+            return parse_generate_response(resp, p, g, routed_experts=shape)
 
         out: List[Sample] = []
         with (

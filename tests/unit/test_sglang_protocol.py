@@ -95,6 +95,7 @@ def _client_requests():
     sp = SamplingParams(temperature=0.9, top_k=5, max_new_tokens=7, stop_token_ids=(2,), seed=3)
     return [
         ("/generate", generate_payload([1, 2, 3], sp, seed=11)),
+        ("/generate", generate_payload([1, 2, 3], sp, seed=11, routed_experts=True)),
         ("/init_weights_update_group", init_group_payload("h", 29650, 3, "g")),
         ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=False)),
         ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=True)),
@@ -392,9 +393,11 @@ def test_every_launch_flag_is_a_server_argument_of_the_pinned_release():
 
     from megatron_p3o.rollout.sglang_engine import SGLangConfig, server_args
 
-    cfg = SGLangConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3", deterministic=True)
+    cfg = SGLangConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3", deterministic=True,
+                       routed_experts=(2, 2))  # fmt: skip
     flags = [a[2:].replace("-", "_") for a in server_args(cfg) if a.startswith("--")]
     assert "enable_deterministic_inference" in flags
+    assert "enable_return_routed_experts" in flags
     with zipfile.ZipFile(_wheel()) as z:
         text = "\n".join(
             z.read(n).decode()
@@ -404,3 +407,29 @@ def test_every_launch_flag_is_a_server_argument_of_the_pinned_release():
     fields = set(re.findall(r"^\s+(\w+)\s*:", text, re.M))
     missing = [f for f in flags if f not in fields]
     assert not missing, f"not server arguments of sglang {PINNED}: {missing}"
+
+
+def test_routed_experts_response_is_decoded_as_the_release_encodes_it():
+    """``meta_info.routed_experts``: base64 of int32 ``[P + C − 1, layers, k]`` (the release's
+    detokenizer encodes ``numpy().tobytes()``); a wrong size is refused naming the request."""
+    import base64
+
+    import numpy as np
+
+    from megatron_p3o.rollout.sglang_engine import parse_generate_response
+
+    routes = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 4
+    resp = {
+        "output_ids": [5, 6],
+        "meta_info": {
+            "id": "r1",
+            "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+            "weight_version": "3",
+            "routed_experts": base64.b64encode(routes.tobytes()).decode(),
+        },
+    }
+    s = parse_generate_response(resp, [1, 2, 3], 0, routed_experts=(2, 2))
+    assert s.routed_experts.tolist() == routes.tolist()
+    with pytest.raises(EngineResponseError, match="r1: routed_experts holds 16 values"):
+        parse_generate_response(resp, [1, 2, 3, 4], 0, routed_experts=(2, 2))
