@@ -23,6 +23,9 @@ D. CUDA streams (the MoE ``alltoall`` token dispatcher copies its split sizes to
    (``moe_utils.maybe_move_tensor_to_cpu(as_numpy=True)``) converts only CUDA tensors, so on
    CPU the sizes would stay tensors, which ``all_to_all_single`` refuses: CPU tensors asked for
    as numpy become numpy.
+E. ``dist.all_gather`` of tensors of different first-dimension sizes (the alltoall dispatcher's
+   expert-TP gather): NCCL accepts it, gloo does not; it is padded to the largest size, gathered
+   and cut back (only when the sizes differ; equal sizes take gloo's own path untouched).
 """
 
 from __future__ import annotations
@@ -138,6 +141,16 @@ class _Event:
         return True
 
 
+class _Done:
+    """Shim E: the handle of a collective that has already completed."""
+
+    def wait(self, *_):
+        return True
+
+    def is_completed(self):
+        return True
+
+
 class _Stream:
     """Shim D: the one stream of a CPU process (``Stream()`` is the current stream)."""
 
@@ -197,6 +210,25 @@ def install() -> bool:
 
     moe_utils.maybe_move_tensor_to_cpu = to_host
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    # E: uneven all_gather on gloo.
+    import torch.distributed as dist
+
+    gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list):
+            return gather(tensor_list, tensor, group=group, async_op=async_op)
+        n = max(t.shape[0] for t in tensor_list)
+        rest = tuple(tensor.shape[1:])
+        bufs = [tensor.new_empty((n,) + rest) for _ in tensor_list]
+        mine = tensor.new_zeros((n,) + rest)
+        mine[: tensor.shape[0]] = tensor
+        gather(bufs, mine, group=group)
+        for t, b in zip(tensor_list, bufs):
+            t.copy_(b[: t.shape[0]])
+        return _Done() if async_op else None
+
+    dist.all_gather = all_gather
     # C: CUDA device arguments become CPU ones, for the rest of the process.
     _CudaToCpuMode().__enter__()
     _INSTALLED = True

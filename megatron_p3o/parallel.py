@@ -141,13 +141,8 @@ class Layout:
 
     def check_hardware(self) -> None:
         """What this machine cannot run (arithmetic is ``resolve``'s job, so a CPU can plan a GPU
-        layout with ``--dry-run``)."""
-        if self.sequence_parallel and not torch.cuda.is_available():
-            raise LayoutError(
-                "parallel layout: sequence_parallel=True needs GPUs (Transformer Engine layer "
-                "norms); on CPU the local layer spec's torch LayerNorm does not support it. "
-                "Set sequence_parallel: false."
-            )
+        layout with ``--dry-run``). Nothing at present: sequence parallelism runs on CPU with
+        the local spec's :class:`~megatron_p3o.model.local_norm.LocalRMSNorm`."""
 
     def check_model(
         self,

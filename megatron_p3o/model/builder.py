@@ -194,10 +194,22 @@ def build_model(
     spec = mcore_compat.layer_spec(
         use_te=use_te, qk_norm=desc.qk_norm, num_experts=desc.num_experts or None
     )
+    block = spec
     if not use_te:  # padded or packed, with or without CP (see local_attention)
-        from .local_attention import LocalCoreAttention
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
+        from .local_attention import LocalCoreAttention
+        from .local_norm import LocalQKNorm, LocalRMSNorm
+
+        attn = spec.submodules.self_attention.submodules
+        attn.core_attention = LocalCoreAttention
+        if desc.qk_norm:
+            attn.q_layernorm = attn.k_layernorm = LocalQKNorm
+        # norms that allow sequence parallelism (MoE with TP needs it), the final one included
+        spec.submodules.input_layernorm = LocalRMSNorm
+        spec.submodules.pre_mlp_layernorm = LocalRMSNorm
+        per_chunk = desc.num_layers // (groups.layout.pp * (groups.layout.vpp or 1))
+        block = TransformerBlockSubmodules(layer_specs=[spec] * per_chunk, layer_norm=LocalRMSNorm)
     vocab = padded_vocab_size(desc.vocab_size, groups.layout.tp, opts.make_vocab_size_divisible_by)
     rope = desc.rope_scaling or {}
     kind = rope.get("rope_type", rope.get("type"))
@@ -206,7 +218,7 @@ def build_model(
     for vp_stage in range(n_chunks):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block,
             vocab_size=vocab,
             max_sequence_length=max(opts.seq_length, desc.max_position_embeddings),
             pre_process=groups.is_first_stage(vp_stage),

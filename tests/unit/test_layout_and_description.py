@@ -26,15 +26,6 @@ def test_impossible_layouts_name_the_numbers(layout, world, needle):
     assert needle in str(e.value)
 
 
-def test_sequence_parallel_is_planned_on_cpu_but_not_run():
-    import torch
-
-    lay = Layout(tp=2, sequence_parallel=True).resolve(2)  # arithmetic only: a CPU can plan it
-    if not torch.cuda.is_available():
-        with pytest.raises(LayoutError, match="sequence_parallel=True needs GPUs"):
-            lay.check_hardware()
-
-
 def test_model_and_sequence_checks():
     lay = Layout(tp=4, pp=2, cp=2).resolve(16)
     with pytest.raises(LayoutError, match="num_attention_heads=6 is not divisible by tp=4"):
