@@ -105,6 +105,12 @@ class TrainConfig:
         ):
             if v < lo:
                 raise ConfigError(f"{path}={v} must be >= {lo}")
+        _choice("optim.moments_dtype", self.optim.moments_dtype, ("float32", "bfloat16"))
+        if self.optim.moments_dtype != "float32" and not self.optim.distributed_optimizer:
+            raise ConfigError(
+                "optim.moments_dtype=bfloat16 (precision-aware optimizer) needs "
+                "optim.distributed_optimizer: true"
+            )
         if self.rollout.logprob_noise < 0:
             raise ConfigError(f"rollout.logprob_noise={self.rollout.logprob_noise} must be >= 0")
         if self.rollout.logit_noise < 0:
@@ -203,12 +209,6 @@ class TrainConfig:
 
     def _check_sglang(self, world_size: int) -> None:
         r = self.rollout
-        if r.engine == "sglang" and self.parallel.ep > 1:
-            raise ConfigError(
-                f"rollout.engine=sglang with parallel.ep={self.parallel.ep}: streaming expert-"
-                "parallel weight shards to the SGLang server is not implemented yet; use the "
-                "embedded engine, or ep=1"
-            )
         if r.engine == "sglang" and r.weight_sync == "colocated":
             if r.max_staleness > 0 or r.sync_every > 1:
                 raise ConfigError(

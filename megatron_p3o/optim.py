@@ -31,6 +31,10 @@ class OptimConfig:
         lr_warmup_steps: linear warm-up from 0 to ``lr``, in optimizer steps.
         lr_decay_steps: steps over which ``lr`` decays to ``min_lr`` (after warm-up).
         lr_decay_style: "constant", "linear" or "cosine".
+        moments_dtype: dtype of Adam's two moments: "float32", or "bfloat16" (Megatron's
+            precision-aware optimizer: fp32 master weights, bf16 moments — 8 instead of 12 bytes
+            of state per parameter; needs the distributed optimizer and Transformer Engine's
+            FusedAdam, so GPUs only).
     """
 
     lr: float = 1e-6
@@ -45,6 +49,7 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 1
     lr_decay_style: str = "constant"
+    moments_dtype: str = "float32"
 
 
 def wrap_ddp(
@@ -110,6 +115,16 @@ def build_optimizer(
         fp16=params_dtype == torch.float16,
         params_dtype=params_dtype,
     )
+    if cfg.moments_dtype != "float32":
+        from .errors import UserError
+
+        if not (torch.cuda.is_available() and mcore_compat.have_transformer_engine()):
+            raise UserError(
+                f"optim.moments_dtype={cfg.moments_dtype}: Megatron's precision-aware optimizer "
+                "needs Transformer Engine's FusedAdam on GPUs; use float32 here"
+            )
+        ocfg.use_precision_aware_optimizer = True
+        ocfg.exp_avg_dtype = ocfg.exp_avg_sq_dtype = getattr(torch, cfg.moments_dtype)
     return mcore_compat.megatron_optimizer(ocfg, list(ddp_chunks), groups.pg_collection)
 
 

@@ -133,7 +133,8 @@ def make_plan(
     pb = _BYTES[cfg.model.params_dtype]
     o = cfg.optim
     grads = n * (4 if o.grad_reduce_in_fp32 else pb)
-    per_param = 8 + (4 if pb < 4 else 0)
+    moments = 4 if o.moments_dtype == "bfloat16" else 8  # Adam's two moments
+    per_param = moments + (4 if pb < 4 else 0)
     opt = n_dense * per_param + n_ex * per_param
     if o.distributed_optimizer:  # dense state over DP×CP, expert state over expert-DP
         expert_dp = world_size // (lay.etp * lay.ep * pp)

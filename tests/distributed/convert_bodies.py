@@ -169,6 +169,14 @@ def live_full(groups, ckpt: str):
     return dict(TrainerWeights(chunks, groups, meta["description"]).full())
 
 
+def live_rank0(groups, ckpt: str):
+    """``TrainerWeights.to_rank0()``: the stream a central SGLang server is pushed from."""
+    from megatron_p3o.weight_sync.source import TrainerWeights
+
+    meta, chunks = _load(groups, ckpt)
+    return {n: t.clone() for n, t in TrainerWeights(chunks, groups, meta["description"]).to_rank0()}
+
+
 def engine_logits(groups, ckpt: str, ids, precision: str = "fp32"):
     """Logits of an embedded engine fed by ``TrainerWeights.full()`` at this layout."""
     from megatron_p3o.model.description import description_to_hf_config

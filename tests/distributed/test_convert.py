@@ -125,6 +125,21 @@ def test_moe_live_weights_at_ep2_feed_the_engine(pools, converted, family):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("layout", [Layout(ep=2), Layout(ep=2, pp=2)], ids=["ep2", "ep2pp2"])
+def test_moe_weights_stream_to_rank0_under_expert_parallelism(pools, converted, layout):
+    """The SGLang push: global rank 0 receives every tensor once (the first replica's experts and
+    those of its EP peers, stage after stage); every other rank, nothing."""
+    hf_dir, _, ckpt = converted("qwen3moe")
+    want = _hf_state(hf_dir)
+    world = 2 if layout.pp == 1 else 4
+    res = pools(world).run(cb.live_rank0, layout, ckpt=str(ckpt))
+    assert all(not r for r in res[1:])
+    assert res[0].keys() == want.keys()
+    bad = [k for k in want if not torch.equal(res[0][k], want[k])]
+    assert not bad, bad[:3]
+
+
+@pytest.mark.distributed
 def test_tp2_checkpoint_to_hf_to_pp2(pools, converted, tmp_path):
     """Megatron at TP=2 → HF → Megatron, loaded at PP=2: logits still match transformers."""
     hf_dir, model, ckpt = converted("qwen3")

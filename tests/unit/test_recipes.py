@@ -70,7 +70,8 @@ def test_dry_run_names_the_problem(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "tiny-llama", "tiny-qwen3-moe"]
+    "name",
+    ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "qwen3-30b-a3b", "tiny-llama", "tiny-qwen3-moe"],
 )
 def test_parameter_count_matches_transformers(name):
     from transformers import AutoConfig, AutoModelForCausalLM
