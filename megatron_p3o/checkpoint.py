@@ -18,6 +18,7 @@ from typing import Dict, Sequence
 import torch
 import torch.distributed as dist
 
+from . import mcore_compat
 from .errors import CheckpointError, OutputExistsError
 
 
@@ -197,7 +198,7 @@ def save_training_checkpoint(
     model_sd = sharded_model_state(chunks)
     state = {
         **model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "optimizer": mcore_compat.optimizer_sharded_state(optimizer, model_sd),
         "scheduler": scheduler.state_dict(),
         "trainer": dict(trainer_state, step=step),
         **(extra or {}),
@@ -235,7 +236,10 @@ def load_training_checkpoint(ckpt: Path, chunks, optimizer, scheduler) -> dict:
     from megatron.core import dist_checkpointing
 
     model_sd = sharded_model_state(chunks)
-    request = {**model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    request = {
+        **model_sd,
+        "optimizer": mcore_compat.optimizer_sharded_state(optimizer, model_sd, is_loading=True),
+    }
     loaded = load_sharded(request, ckpt)
     for i, c in enumerate(chunks):
         load_into(c, loaded[f"model{i}"], Path(ckpt))

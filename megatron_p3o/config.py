@@ -111,6 +111,10 @@ class TrainConfig:
                 "optim.moments_dtype=bfloat16 (precision-aware optimizer) needs "
                 "optim.distributed_optimizer: true"
             )
+        if self.model.moe_aux_loss_coeff < 0:
+            raise ConfigError(
+                f"model.moe_aux_loss_coeff={self.model.moe_aux_loss_coeff} must be >= 0"
+            )
         if self.rollout.logprob_noise < 0:
             raise ConfigError(f"rollout.logprob_noise={self.rollout.logprob_noise} must be >= 0")
         if self.rollout.logit_noise < 0:

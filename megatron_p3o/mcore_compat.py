@@ -70,3 +70,54 @@ def moe_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# The distributed optimizer's checkpoint format: 0.16's default ("fully_sharded_model_space")
+# builds ShardedTensors with a flattened range, which its own dist_checkpointing refuses
+# ("ShardedTensor.flattened_range is not supported"); "fully_reshardable" saves and loads at any
+# DP / TP / PP / EP.
+OPTIMIZER_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def optimizer_sharded_state(optimizer, model_sd, is_loading: bool = False):
+    """The optimizer's sharded state dict in a format any layout can load.
+
+    Loading into a distributed optimizer that has not stepped yet: 0.16 reads the Adam step
+    from the inner optimizer's (empty) state first when neither Apex nor TE is installed and
+    fails an assertion; the optimizer's own dummy-state initialisation runs first (the
+    checkpoint then overwrites every value it wrote)."""
+    if is_loading:
+        _dist_opt_step_state()
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            inner = getattr(opt, "optimizer", None)
+            if init is not None and inner is not None and not inner.state:
+                init()
+    return optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_CKPT_METADATA)
+    )
+
+
+def _dist_opt_step_state() -> None:
+    """0.16 without Apex/TE (torch's AdamW keeps a per-parameter ``step`` tensor): loading a
+    ``fully_reshardable`` distributed-optimizer checkpoint first sets every ``step`` from the
+    common state, then copies the checkpoint's per-parameter tensors over *all* keys of the
+    state, ``step`` included, which the checkpoint does not hold (KeyError). The ``step`` already
+    set is kept: it is copied onto itself."""
+    from megatron.core.optimizer import distrib_optimizer as d
+
+    cls = d.DistributedOptimizer
+    if d.HAVE_APEX_OR_TE or getattr(cls, "_p3o_keeps_step", False):
+        return
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            gi, go = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[gi]["params"][go]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = set_states
+    cls._p3o_keeps_step = True

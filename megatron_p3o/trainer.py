@@ -103,6 +103,8 @@ class Trainer:
             seq_length=cfg.model.seq_length,
             use_te=cfg.model.use_te,
             fp8=cfg.model.fp8,
+            moe_dispatcher=cfg.model.moe_dispatcher,
+            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
         )
         if cfg.rollout.routing_replay != "off" and not self.desc.is_moe:
             raise ConfigError(

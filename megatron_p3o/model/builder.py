@@ -31,6 +31,9 @@ class ModelConfig:
     fp8: TE FP8 recipe or None.
     hf_config: an HF config.json describing the model, for ``--dry-run`` before the
         checkpoint exists (the checkpoint's own description wins when it does).
+    moe_dispatcher: MoE token dispatcher, "allgather" or "alltoall" (both tested on CPU).
+    moe_aux_loss_coeff: MoE load-balancing loss weight (0 = off, the RL default: the router is
+        already trained; Megatron's aux loss, not the HF config's ``router_aux_loss_coef``).
     """
 
     checkpoint: str = ""
@@ -39,6 +42,8 @@ class ModelConfig:
     use_te: Optional[bool] = None
     fp8: Optional[str] = None
     hf_config: str = ""
+    moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    moe_aux_loss_coeff: float = 0.0
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -237,12 +242,22 @@ def build_model(
             from .routing import attach
 
             model.route_hooks = attach([model])
+            _experts_apart(model)
         model.description = desc
         model.padded_vocab_size = vocab
         model.vp_stage = vp_stage if groups.layout.vpp else None
         _params_to(model, opts.params_dtype)
         chunks.append(model)
     return chunks
+
+
+def _experts_apart(model: torch.nn.Module) -> None:
+    """Expert weights always form their own DDP buffers and optimizer (Megatron does so only when
+    ep > 1: ``allreduce=False``), so a training checkpoint has one optimizer structure at every
+    EP and a run resumes at another EP. At ep = 1 the expert-DP group is the DP group."""
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
 
 
 def _params_to(model: torch.nn.Module, dtype: torch.dtype) -> None:

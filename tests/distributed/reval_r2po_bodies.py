@@ -99,10 +99,15 @@ def _seq_forward(model, s, vocab, head=None):
     return lp, lse, mixed
 
 
-def reference_scores_f64(groups, family, init):
+def _f64(groups, family, ckpt):
+    """A TP=1 GPTModel with ``ckpt``'s weights, in float64 (the reference side)."""
     (model,) = _build(family, groups, seq=BUDGET)
-    load_model_state([model], init)
-    model.double()
+    load_model_state([model], ckpt)
+    return model.double()
+
+
+def reference_scores_f64(groups, family, init):
+    model = _f64(groups, family, init)
     vocab = FAMILIES[family]["vocab_size"]
     out = {}
     with torch.no_grad():
@@ -135,12 +140,7 @@ def reval_step(groups, family, init, ref_init, out, value_grad=True, packed=True
 
 def reval_reference(groups, family, init, ref_init, compare_dirs=(), value_grad=True):
     """float64 ReVal: δ_i = V_θ − V_ref + Σ(ℓθ − ℓref) − (r_i − mean_group r)/β; mean δ²."""
-    (model,) = _build(family, groups, seq=BUDGET)
-    load_model_state([model], init)
-    model.double()
-    (refm,) = _build(family, groups, seq=BUDGET)
-    load_model_state([refm], ref_init)
-    refm.double()
+    model, refm = _f64(groups, family, init), _f64(groups, family, ref_init)
     vocab = FAMILIES[family]["vocab_size"]
     samples = make_samples(family)
     deltas = []
@@ -230,9 +230,7 @@ def head_logits(groups, family, init):
 
 def head_logits_f64(groups, family, init):
     """float64 W_lm·h + W₂·ReLU(W₁·h) of each of the three sequences alone."""
-    (model,) = _build(family, groups, seq=BUDGET)
-    load_model_state([model], init)
-    model.double()
+    model = _f64(groups, family, init)
     w1, w2 = head_matrices(groups, family)
     vocab = FAMILIES[family]["vocab_size"]
     out = []
@@ -301,12 +299,7 @@ def r2po_reference(groups, family, init, ref_init, compare_dirs=()):
     """float64 head phase (PPO-clip on μ with the stale ℓμ,old, +0.04·k3(μ‖ref), rarity
     advantage, token mean) and policy phase (GRPO on the base head, ℓold = the base head's, so
     the ratio is 1; sequence-mean of token-means), written from the R2PO paper."""
-    (model,) = _build(family, groups, seq=BUDGET)
-    load_model_state([model], init)
-    model.double()
-    (refm,) = _build(family, groups, seq=BUDGET)
-    load_model_state([refm], ref_init)
-    refm.double()
+    model, refm = _f64(groups, family, init), _f64(groups, family, ref_init)
     w1, w2 = head_matrices(groups, family)
     w1.requires_grad_(True)
     w2.requires_grad_(True)

@@ -44,6 +44,13 @@ def test_ep2_equals_float64_reference(pools, tmp_path, init_moe, dispatcher):
 
 
 @pytest.mark.distributed
+def test_ep1_dp2_equals_float64_reference(pools, tmp_path, init_moe):
+    """EP=1: the experts still have their own buffers and optimizer (one checkpoint structure
+    at every EP)."""
+    _check(pools, tmp_path, init_moe, Layout(), 2, "allgather")
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_ep2_dp2_equals_float64_reference(pools, tmp_path, init_moe, dispatcher):
     """World 4: attention DP=4, experts EP=2 × expert-DP=2."""

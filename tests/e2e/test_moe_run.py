@@ -43,26 +43,28 @@ Qwen3MoeForCausalLM(cfg).save_pretrained(out / "hf")
     return out
 
 
-def _run(base, tmp_path, name, *sets):
+def _run(base, tmp_path, name, *sets, nproc=2, steps=2):
     args = {
         "model.checkpoint": base / "ckpt", "data.path": base / "train.jsonl",
-        "data.eval_path": base / "heldout.jsonl", "data.eval_every": 0, "steps": 2,
+        "data.eval_path": base / "heldout.jsonl", "data.eval_every": 0, "steps": steps,
         "batch.prompts_per_rollout": 8, "run.dir": tmp_path, "run.name": name,
     }  # fmt: skip
-    cmd = [*torchrun(2), "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_moe_cpu.yaml")]
+    launch = [*torchrun(nproc)] if nproc > 1 else [sys.executable]
+    cmd = [*launch, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_moe_cpu.yaml")]
     for k, v in args.items():
         cmd += ["--set", f"{k}={v}"]
     for s in sets:
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines], r.stdout
 
 
 @pytest.mark.e2e
 def test_moe_ep2_with_and_without_routing_replay(moe_base, tmp_path):
-    r3 = _run(moe_base, tmp_path, "r3")
-    off = _run(
+    r3, _ = _run(moe_base, tmp_path, "r3", "optim.distributed_optimizer=true")
+    off, _ = _run(
         moe_base, tmp_path, "no_replay", "rollout.routing_replay=off", "rollout.precision=fp32"
     )
     for m in r3 + off:
@@ -72,3 +74,8 @@ def test_moe_ep2_with_and_without_routing_replay(moe_base, tmp_path):
     # an fp32 engine routes as the fp32 trainer does (ties aside); bf16 rollouts disagree more
     assert min(m["route_agreement"] for m in off) > 0.99
     assert min(m["route_agreement"] for m in r3) < min(m["route_agreement"] for m in off)
+    # resume at another EP: the EP=2 run (distributed optimizer, expert-sharded state) goes on
+    # in one process at EP=1
+    more, out = _run(moe_base, tmp_path, "r3", "optim.distributed_optimizer=true",
+                     "parallel.ep=1", "parallel.world_size=null", nproc=1, steps=3)  # fmt: skip
+    assert "resumed from" in out and [m["step"] for m in more] == [1, 2, 3]

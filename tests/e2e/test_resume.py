@@ -57,12 +57,16 @@ def _tensors(ckpt: Path, tmp: Path):
 
 
 @pytest.mark.e2e
-def test_four_steps_equal_two_plus_resume_plus_two(base, tmp_path):
-    a = _train(base, tmp_path, "straight", 4)
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["adam", "distributed_optimizer"])
+def test_four_steps_equal_two_plus_resume_plus_two(base, tmp_path, dist_opt):
+    """Also with Megatron's distributed optimizer (its checkpoint format and, without TE, its
+    Adam step state: see ``mcore_compat.optimizer_sharded_state``)."""
+    extra = ("--set", f"optim.distributed_optimizer={str(dist_opt).lower()}")
+    a = _train(base, tmp_path, "straight", 4, *extra)
     assert a.returncode == 0, a.stderr[-3000:]
-    b1 = _train(base, tmp_path, "resumed", 2)
+    b1 = _train(base, tmp_path, "resumed", 2, *extra)
     assert b1.returncode == 0, b1.stderr[-3000:]
-    b2 = _train(base, tmp_path, "resumed", 4)
+    b2 = _train(base, tmp_path, "resumed", 4, *extra)
     assert b2.returncode == 0, b2.stderr[-3000:]
     assert "resumed from" in b2.stdout and "step_000002" in b2.stdout
     ta = _tensors(tmp_path / "straight" / "checkpoints" / "step_000004", tmp_path)
