@@ -244,6 +244,7 @@ def load_training_checkpoint(ckpt: Path, chunks, optimizer, scheduler) -> dict:
     for i, c in enumerate(chunks):
         load_into(c, loaded[f"model{i}"], Path(ckpt))
     optimizer.load_state_dict(loaded["optimizer"])
+    mcore_compat.after_optimizer_load(optimizer)
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
     scheduler.load_state_dict(common["scheduler"])
     rank = dist.get_rank() if dist.is_initialized() else 0

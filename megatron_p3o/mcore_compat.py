@@ -121,3 +121,16 @@ def _dist_opt_step_state() -> None:
 
     cls._set_main_param_and_optimizer_states = set_states
     cls._p3o_keeps_step = True
+
+
+def after_optimizer_load(optimizer) -> None:
+    """0.16 without Apex/TE gives every parameter's Adam state the *same* ``step`` tensor on load;
+    torch's AdamW then advances that one tensor once per parameter, and the bias correction of
+    the first step after a resume is wrong. Each parameter gets its own copy back."""
+    import torch
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for st in getattr(inner, "state", {}).values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
