@@ -75,5 +75,12 @@ def run_cli(main: Callable[[Optional[Sequence[str]]], int], prog: str) -> None:
             raise
         if _is_reporting_rank():
             print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        elif os.environ.get("WORLD_SIZE", "1") != "1":
+            # Under torchrun the first rank to exit makes the launcher kill the others: give
+            # rank 0 the moment it needs to print the one line (measured: a loaded machine can
+            # take ~1 s between the ranks' identical errors).
+            import time
+
+            time.sleep(5.0)
         code = EXIT_USER_ERROR
     sys.exit(code)
