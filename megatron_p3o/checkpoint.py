@@ -37,9 +37,13 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
-def sharded_model_state(chunks: Sequence[torch.nn.Module]) -> Dict[str, dict]:
-    """``{"model0": ..., "model1": ...}``: each chunk's sharded state dict (global tensor keys)."""
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+def sharded_model_state(chunks: Sequence[torch.nn.Module], prefix: str = "") -> Dict[str, dict]:
+    """``{"model0": ..., "model1": ...}``: each chunk's sharded state dict (global tensor keys,
+    ``prefix`` before each: a second model in the same checkpoint, e.g. ``reference.``)."""
+    name = prefix.rstrip(".") or "model"
+    return {
+        f"{name}{i}": _unwrap(c).sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)
+    }
 
 
 def _barrier():
@@ -134,17 +138,22 @@ def load_into(chunk: torch.nn.Module, state: dict, ckpt_dir: Path) -> None:
         raise CheckpointError(f"{ckpt_dir}: state does not fit the model: {bad[:3]}")
 
 
-def load_model_state(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
-    """Load a checkpoint written at any layout into this layout's chunks (all ranks call this)."""
+def load_model_state(
+    chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path, prefix: str = ""
+) -> None:
+    """Load a checkpoint written at any layout into this layout's chunks (all ranks call this);
+    ``prefix``: the model saved under it (see :func:`sharded_model_state`)."""
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
         raise CheckpointError(
             f"{ckpt_dir} is not a Megatron distributed checkpoint (no metadata.json)"
         )
-    loaded = load_sharded(sharded_model_state(chunks), ckpt_dir)
-    for i, c in enumerate(chunks):
-        load_into(c, loaded[f"model{i}"], ckpt_dir)
+    request = sharded_model_state(chunks, prefix)
+    loaded = load_sharded(request, ckpt_dir)
+    for key, c in zip(request, chunks):
+        state = {k[len(prefix) :]: v for k, v in loaded[key].items()}
+        load_into(c, state, ckpt_dir)
 
 
 # -- training checkpoints: model + optimizer + scheduler + trainer state + per-rank RNG --------

@@ -138,6 +138,40 @@ def response_logprobs(
     return whole(lp), (whole(ent) if ent is not None else None), value
 
 
+def score_responses(
+    chunks,
+    groups: ParallelGroups,
+    microbatches: List[MicroBatch],
+    key: str,
+    temperature: float,
+    vocab_size: int,
+    chunk: Optional[int] = None,
+    value_key: Optional[str] = None,
+) -> None:
+    """A no-grad forward of ``chunks`` over every micro-batch; ``response[key]`` = ℓ ``[n, L]``
+    (zero off the mask) and, with ``value_key``, ``response[value_key]`` = V(s₁) ``[n]``,
+    written on the last pipeline stage (ℓold of the policy, ℓref / V_ref of the reference)."""
+    for mb in microbatches:
+        nest_response(mb)
+    out: List[tuple] = []
+
+    def loss_fn(batch, logits):
+        lp, _, value = response_logprobs(
+            batch, logits, groups, temperature, vocab_size, chunk, with_value=bool(value_key)
+        )
+        out.append((lp.float() * batch["response"]["mask"].to(torch.float32), value))
+        return torch.zeros((), device=logits.device), 0, {}
+
+    with torch.no_grad():
+        forward_backward(chunks, groups, microbatches, loss_fn, forward_only=True)
+    if groups.is_last_stage():
+        for mb, (lp, value) in zip(microbatches, out):
+            dev = mb["response"]["mask"].device
+            mb["response"][key] = lp.to(dev)
+            if value_key:
+                mb["response"][value_key] = value.float().to(dev)
+
+
 class PolicyUpdate:
     """Runs the objective over one optimizer step's micro-batches (see the module docstring).
 
@@ -212,16 +246,12 @@ class PolicyUpdate:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
         return n_tok, n_seq
 
-    def _kernel(self, batch, logits, with_entropy=False, inplace=False, with_value=False):
-        return response_logprobs(
-            batch, logits, self.groups, self.temperature, self.vocab_size,
-            self.cfg.logprob_chunk, with_entropy=with_entropy, with_value=with_value,
-            inplace=inplace,
-        )  # fmt: skip
-
     def _logprobs(self, batch, logits, entropy: bool = True, value: bool = False):
         # the logits feed only this loss: their storage is reused for the gradient
-        lp, ent, val = self._kernel(batch, logits, entropy, inplace=True, with_value=value)
+        lp, ent, val = response_logprobs(
+            batch, logits, self.groups, self.temperature, self.vocab_size,
+            self.cfg.logprob_chunk, with_entropy=entropy, with_value=value, inplace=True,
+        )  # fmt: skip
         resp = batch["response"]
         mask = resp["mask"].to(torch.float32)
         ids = resp.get("sample_index")
@@ -307,21 +337,10 @@ class PolicyUpdate:
         """Store ``response.old_logprobs`` (ℓθ before this rollout batch's first update, no grad)
         in each micro-batch, for the objectives that ratio against πold/πprox (decoupled PPO,
         TIS, MIS, P4O). Computed on the last pipeline stage, where the loss runs."""
-        for mb in microbatches:
-            nest_response(mb)
-        out: List[torch.Tensor] = []
-
-        def loss_fn(batch, logits):
-            with torch.no_grad():
-                lp, _, _ = self._kernel(batch, logits)
-                out.append(lp.float() * batch["response"]["mask"].to(torch.float32))
-            return torch.zeros((), device=logits.device), 0, {}
-
-        with torch.no_grad():
-            forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=True)
-        if self.groups.is_last_stage():
-            for mb, lp in zip(microbatches, out):
-                mb["response"]["old_logprobs"] = lp.to(mb["response"]["mask"].device)
+        score_responses(
+            chunks, self.groups, microbatches, "old_logprobs", self.temperature,
+            self.vocab_size, self.cfg.logprob_chunk,
+        )  # fmt: skip
 
     # -- stage 3: gradient pass --------------------------------------------------------------
     def run(

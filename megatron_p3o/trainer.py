@@ -9,6 +9,7 @@ batch (sync, lagged every L, async with staleness ≤ K) is the rollout schedule
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
@@ -237,11 +238,11 @@ class Trainer:
         per_step, packing = self.batcher.build(samples, adv)
         ref = {}
         if self.reference is not None:  # ℓref (and V_ref(s₁)) before any update of the batch
-            self.reference.seconds = 0.0
+            t0 = time.perf_counter()
             for mbs in per_step:
                 self.reference.score(mbs, with_value=self.objective.needs_value)
             ref = {
-                "ref_forward_s": self.reference.seconds,
+                "ref_forward_s": time.perf_counter() - t0,
                 "ref_reset_step": float(self.reference.reset_step),
             }
         if self.objective.recomputes_old(self.cfg.loss.old_logprobs):  # πold before the updates
@@ -286,9 +287,9 @@ class Trainer:
 
     def _maybe_reset_reference(self) -> None:
         """``reference.reset_every``: the policy after this step becomes the reference."""
-        ref, every = self.reference, self.cfg.reference.reset_every
-        if ref is not None and ref.due(self.step_idx, every):
-            ref.reset_from(self.chunks, self.step_idx)
+        every = self.cfg.reference.reset_every
+        if self.reference is not None and every and self.step_idx % every == 0:
+            self.reference.reset_from(self.chunks, self.step_idx)
 
     def _log(self, batch: TrainBatch, metrics: Dict, seconds: Dict[str, float]) -> Dict:
         b = self.cfg.batch

@@ -64,25 +64,43 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.)?(\d+)\.(.+)$")
 EXPERT_KEY = "mlp.experts.experts."
 
 
+# per-expert checkpoint names of each MoE family: (block, gate, up, down) in
+# ``model.layers.{i}.{block}.experts.{e}.{gate|up|down}.weight``; the router is ``{block}.gate``
+MOE_HF_NAMES = {
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+_MOE_HF_RE = re.compile(r"^model\.layers\.(\d+)\.(\w+)\.(?:experts\.(\d+)\.(\w+)|gate)\.weight$")
+
+
 def moe_hf_names(desc: ModelDescription, layer: int) -> dict:
     """HF names of one MoE layer: ``router`` and, per expert e, ``gate(e)``/``up(e)``/``down(e)``
     (the per-expert names of the checkpoint files; transformers >= 5 fuses them in memory)."""
-    h = f"model.layers.{layer}."
-    if desc.family == "mixtral":
-        b = h + "block_sparse_moe."
-        return {
-            "router": b + "gate.weight",
-            "gate": lambda e: f"{b}experts.{e}.w1.weight",
-            "up": lambda e: f"{b}experts.{e}.w3.weight",
-            "down": lambda e: f"{b}experts.{e}.w2.weight",
-        }
-    b = h + "mlp."
+    block, gate, up, down = MOE_HF_NAMES[desc.family]
+    b = f"model.layers.{layer}.{block}."
     return {
         "router": b + "gate.weight",
-        "gate": lambda e: f"{b}experts.{e}.gate_proj.weight",
-        "up": lambda e: f"{b}experts.{e}.up_proj.weight",
-        "down": lambda e: f"{b}experts.{e}.down_proj.weight",
+        "gate": lambda e: f"{b}experts.{e}.{gate}.weight",
+        "up": lambda e: f"{b}experts.{e}.{up}.weight",
+        "down": lambda e: f"{b}experts.{e}.{down}.weight",
     }
+
+
+def parse_moe_hf_name(name: str):
+    """``(layer, expert, role)`` of a routed expert's checkpoint tensor (role: gate, up or
+    down), ``(layer, None, "router")`` of a router's, or None for any other name."""
+    m = _MOE_HF_RE.match(name)
+    if m is None:
+        return None
+    layer, block, expert, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+    for b, *kinds in MOE_HF_NAMES.values():
+        if b != block:
+            continue
+        if expert is None:
+            return layer, None, "router"
+        if kind in kinds:
+            return layer, int(expert), ("gate", "up", "down")[kinds.index(kind)]
+    return None
 
 
 def _mlp_maps(desc: ModelDescription, i: int) -> List[TensorMap]:

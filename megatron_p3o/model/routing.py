@@ -36,7 +36,8 @@ class LayerRoutes:
         self.layer = layer
         self.target: Optional[Tensor] = None  # [tokens, k] long, -1 = not recorded
         self.mode = "off"
-        self.agree = torch.zeros(2, dtype=torch.float64)  # Σ overlap / k, recorded tokens
+        # Σ overlap / k and recorded tokens, kept where the router runs (no host sync per layer)
+        self.agree: Optional[Tensor] = None
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default=None):
         probs, own = default(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -51,7 +52,8 @@ class LayerRoutes:
         known = (t >= 0).all(-1)
         with torch.no_grad():
             same = (t[:, :, None] == own[:, None, :]).any(-1).sum(-1).double() / topk
-            self.agree += torch.stack([same[known].sum(), known.sum().double()]).cpu()
+            stat = torch.stack([same[known].sum(), known.sum().double()])
+            self.agree = stat if self.agree is None else self.agree + stat
         if self.mode != "r3":
             return probs, own
         idx = torch.where(known[:, None], t, own)

@@ -37,13 +37,13 @@ a precision-like train–rollout mismatch with honest ℓb (unlike corrupting th
 from __future__ import annotations
 
 import math
-import re
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from ..hf.mapping import parse_moe_hf_name
 from ..types import Sample, SamplingParams
 from .engine import Bucket, RolloutEngine
 
@@ -59,14 +59,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_LINEARS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
 )  # fmt: skip
-# one routed expert's tensor as checkpoints name it; transformers >= 5 holds every expert of a
-# layer in two fused parameters: experts.gate_up_proj [E, 2·I, h] (gate rows first) and
-# experts.down_proj [E, h, I]
-_EXPERT_RE = re.compile(
-    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
-)
-_ROUTER_RE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
 
 
 def fp8_quant_dequant(w: Tensor, block: Optional[int] = None) -> Tensor:
@@ -210,9 +202,11 @@ class EmbeddedEngine(RolloutEngine):
         top-k indices): the indices of each model call, per layer."""
         layers = getattr(getattr(self.model, "model", None), "layers", [])
         gates = [getattr(getattr(layer, "mlp", None), "gate", None) for layer in layers]
-        self.moe_layers = sum(1 for g in gates if g is not None and hasattr(g, "top_k"))
-        if not self.moe_layers:
+        if not any(g is not None and hasattr(g, "top_k") for g in gates):
             return
+        c = self.model.config
+        n_experts = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0))
+        self._route_dtype = torch.uint8 if n_experts < 256 else torch.int16
         self._routes = [None] * len(gates)
         for i, g in enumerate(gates):
 
@@ -226,16 +220,7 @@ class EmbeddedEngine(RolloutEngine):
         if self._routes is None:
             return None
         r = torch.stack(self._routes, 1)  # [b·s, layers, k]
-        dtype = (
-            torch.uint8
-            if self.model.config.num_experts_per_tok and self._n_experts() < 256
-            else torch.int16
-        )
-        return r.reshape(b, -1, r.shape[1], r.shape[2]).to(dtype).cpu()
-
-    def _n_experts(self) -> int:
-        c = self.model.config
-        return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0))
+        return r.reshape(b, -1, r.shape[1], r.shape[2]).to(self._route_dtype).cpu()
 
     @contextmanager
     def base_head(self):
@@ -258,19 +243,22 @@ class EmbeddedEngine(RolloutEngine):
         return t
 
     def _target(self, name: str):
-        """``(parameter name, index into it)`` of an HF tensor: itself, or one routed expert's
-        slice of the fused expert parameters (MoE)."""
-        m = _EXPERT_RE.match(name)
-        if m is None:
-            r = _ROUTER_RE.match(name)
-            return (f"model.layers.{r.group(1)}.mlp.gate.weight" if r else name), ()
-        layer, e, kind = int(m.group(1)), int(m.group(2)), m.group(3)
-        base = f"model.layers.{layer}.mlp.experts."
-        if kind in ("down_proj", "w2"):
-            return base + "down_proj", (e,)
-        n = self.params[base + "gate_up_proj"].shape[1] // 2
-        rows = slice(0, n) if kind in ("gate_proj", "w1") else slice(n, 2 * n)
-        return base + "gate_up_proj", (e, rows)
+        """``(parameter name, index into it)`` of an HF tensor: itself, or (MoE checkpoint
+        names, :data:`~megatron_p3o.hf.mapping.MOE_HF_NAMES`) the router, or one routed expert's
+        slice of transformers' fused ``experts.gate_up_proj [E, 2·I, h]`` (gate rows first) /
+        ``experts.down_proj [E, h, I]``."""
+        moe = parse_moe_hf_name(name)
+        if moe is None:
+            return name, ()
+        layer, e, role = moe
+        base = f"model.layers.{layer}.mlp."
+        if role == "router":
+            return base + "gate.weight", ()
+        if role == "down":
+            return base + "experts.down_proj", (e,)
+        n = self.params[base + "experts.gate_up_proj"].shape[1] // 2
+        rows = slice(0, n) if role == "gate" else slice(n, 2 * n)
+        return base + "experts.gate_up_proj", (e, rows)
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         seen = set()

@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..hf.mapping import TensorMap, canonical_name, tensor_maps, to_hf
+from ..hf.mapping import TensorMap, canonical_name, parse_moe_hf_name, tensor_maps, to_hf
 from ..model.description import ModelDescription
 from ..parallel import ParallelGroups
 
@@ -81,7 +81,8 @@ def iter_hf_tensors(
 
 def is_expert(hf_name: str) -> bool:
     """An HF tensor of one routed expert (held by one expert-parallel rank)."""
-    return ".experts." in hf_name
+    moe = parse_moe_hf_name(hf_name)
+    return moe is not None and moe[1] is not None
 
 
 def iter_hf_buckets(

@@ -56,7 +56,8 @@ def replay_step(groups, family, init, mode):
     zero_grads(ddp)
     forward_backward(ddp, groups, [mb], loss_fn)
     hooks = chunks[0].route_hooks
-    agree = [float(h.agree[0] / h.agree[1]) if h.agree[1] else None for h in hooks]
+    agree = [float(h.agree[0] / h.agree[1]) if h.agree is not None and h.agree[1] else None
+             for h in hooks]  # fmt: skip
     grads = {n: p.main_grad.clone() for n, p in chunks[0].named_parameters() if "router" in n}
     return {"logits": got.get("logits"), "rows": (rows.start, rows.stop), "router_grads": grads,
             "agree": agree}  # fmt: skip
