@@ -13,7 +13,7 @@ import difflib
 import os
 import re
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
@@ -220,7 +220,7 @@ class TrainConfig:
                     f"sync_every={r.sync_every}: a colocated server frees its GPU memory for every "
                     "update and takes it back with the new weights, so it cannot generate "
                     "meanwhile nor skip a sync; use max_staleness=0 and sync_every=1, or "
-                    "weight_sync=nccl"
+                    "weight_sync=distributed"
                 )
             if r.sglang.tp_size > world_size:
                 raise ConfigError(
@@ -232,14 +232,54 @@ class TrainConfig:
                 "rollout.sglang.kv_cache_dtype=fp8_e5m2 forces SGLang's triton attention "
                 "backend; use fp8_e4m3"
             )
+        if r.engine == "sglang":
+            self._check_sglang_device()
+
+    def _check_sglang_device(self) -> None:
+        """What the server's device (and the weight group's backend) can do."""
+        from .rollout.sglang.launch import check_device_flags, resolve_device
+        from .rollout.sglang.weights import resolve_backend
+
+        r, sg = self.rollout, self.rollout.sglang
+        if sg.servers < 1:
+            raise ConfigError(f"rollout.sglang.servers={sg.servers} must be >= 1")
+        if sg.servers > 1 and sg.url is not None:
+            raise ConfigError(
+                f"rollout.sglang.servers={sg.servers} with rollout.sglang.url: an attached fleet "
+                "names its servers in rollout.sglang_workers"
+            )
+        if sg.url is not None:
+            return  # attached: whoever launched it chose its flags
+        probe = replace(
+            sg,
+            deterministic=sg.deterministic or r.deterministic,
+            routed_experts=(1, 1) if r.routing_replay == "r3" else None,
+        )
+        check_device_flags(probe)
+        if resolve_device(sg) != "cpu":
+            return
+        if r.weight_sync == "colocated":
+            raise ConfigError(
+                "rollout.weight_sync=colocated shares the trainer's GPUs with the server (CUDA "
+                "IPC); a CPU SGLang server takes weight_sync=tensor, distributed or disk"
+            )
+        if r.weight_sync == "distributed" and resolve_backend(sg) == "nccl":
+            raise ConfigError(
+                "rollout.sglang.sync_backend=nccl with a CPU SGLang server: NCCL refuses CPU "
+                "tensors; use sync_backend=gloo (or auto)"
+            )
 
     def check_rollout_gpus(self, world_size: int) -> None:
         """At launch (not in --dry-run, where the batch script has not yet named the servers):
         an NCCL weight group whose launched server shares a GPU with a trainer rank cannot form
         (NCCL: duplicate GPU)."""
         r = self.rollout
-        if r.engine != "sglang" or r.weight_sync != "nccl" or r.sglang.url is not None:
+        from .rollout.sglang.weights import resolve_backend
+
+        if r.engine != "sglang" or r.weight_sync != "distributed" or r.sglang.url is not None:
             return  # attached servers: the batch script placed them on their own GPUs
+        if resolve_backend(r.sglang) != "nccl":
+            return
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(local)]
@@ -248,7 +288,8 @@ class TrainConfig:
         if server is None or server & train:
             shared = "all of them" if server is None else ",".join(sorted(server & train))
             raise ConfigError(
-                f"rollout.weight_sync=nccl with a launched SGLang server on the training GPUs "
+                f"rollout.weight_sync=distributed (nccl) with a launched SGLang server on the "
+                f"training GPUs "
                 f"({shared}; trainer GPUs {','.join(sorted(train))}): NCCL refuses a group with "
                 "two ranks on one GPU. Give rollout.sglang.gpus GPUs of their own, or use "
                 "weight_sync=colocated or disk"

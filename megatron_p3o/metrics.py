@@ -185,3 +185,20 @@ def combine_optimizer_steps(steps: List[Tuple[int, int, Dict]]) -> Dict:
             mine = [float(m["ess"]) for ep, _, m in steps if ep == e]
             out[f"ess_epoch{e}"] = sum(mine) / len(mine)
     return out
+
+
+def staleness(samples, trained: int) -> Dict[str, float]:
+    """How many versions behind ``trained`` (the policy version the step updated) the samples
+    are, per sequence (its oldest token: ``Sample.weight_version``) and per token (a sample that
+    straddled a weight push has tokens of two versions); ``straddling_frac``: the share of
+    samples with more than one version. Host-side: samples live on the host."""
+    seq = [trained - s.weight_version for s in samples]
+    tok = [trained - v for s in samples for v in s.versions()]
+    straddling = sum(s.token_versions is not None for s in samples)
+    return {
+        "staleness_mean": sum(seq) / max(len(seq), 1),
+        "staleness_max": float(max(seq, default=0)),
+        "staleness_token_mean": sum(tok) / max(len(tok), 1),
+        "staleness_token_max": float(max(tok, default=0)),
+        "straddling_frac": straddling / max(len(samples), 1),
+    }

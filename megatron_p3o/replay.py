@@ -219,6 +219,7 @@ class TrajectoryFIFO:
                     "reward": s.reward,
                     "advantage": a,
                     "routed_experts": routes_out(s.routed_experts),
+                    "token_versions": s.token_versions,
                 }
                 for s, a in self.items
             ]

@@ -28,7 +28,7 @@ from .checkpoint import (
 from .config import ConfigError, TrainConfig, to_dict
 from .hf.dist_stream import read_meta
 from .loss import build_objective
-from .metrics import PhaseTimer, combine_optimizer_steps
+from .metrics import PhaseTimer, combine_optimizer_steps, staleness
 from .model.builder import BuildOptions, build_model
 from .optim import build_optimizer, build_scheduler, wrap_ddp, zero_grads
 from .parallel import ParallelGroups
@@ -169,6 +169,7 @@ class Trainer:
         return build_backend(
             r, groups, weights, self.data, self._score, shard, self.step_idx, pending,
             cfg.model.params_dtype, self.tok.pad_token_id or 0, rollout_head=head is not None,
+            log_dir=str(self.run_dir / "sglang"),
         )  # fmt: skip
 
     def _sampling(self) -> SamplingParams:
@@ -295,7 +296,7 @@ class Trainer:
         b = self.cfg.batch
         # versions behind the policy this step trained (step_idx has moved on to the next)
         trained = self.step_idx - 1
-        stale = torch.tensor([float(trained - s.weight_version) for s in batch.samples])  # host
+        stale = staleness(batch.samples, trained)
         toks = sum(len(s.completion_ids) for s in batch.samples)
         lens = [len(s.completion_ids) for s in batch.samples]
         cut = sum(s.finish_reason == "length" for s in batch.samples)
@@ -315,8 +316,7 @@ class Trainer:
             "train_tok_per_s": n_steps
             * metrics.get("n_tokens", 0.0)
             / max(seconds["train_s"], 1e-9),
-            "staleness_mean": float(stale.mean()),
-            "staleness_max": float(stale.max()),
+            **stale,
             "weight_version": self.step_idx,
             "lr": self.opt.param_groups[0]["lr"],
         }
@@ -338,6 +338,8 @@ class Trainer:
         "truncation_rate",
         "distinct_per_group",
         "staleness_mean",
+        "staleness_token_mean",
+        "straddling_frac",
         "rollout_s",
         "rollout_wait_s",
     )
@@ -355,12 +357,11 @@ class Trainer:
         for k, v in zip(keys, t.tolist()):
             if k in out:
                 out[k] = v if k in self._DP_SUMS else v / dp
-        m = torch.tensor(
-            [out["staleness_max"], out["completion_len_max"]], dtype=torch.float64, device=dev
-        )
+        maxima = ("staleness_max", "staleness_token_max", "completion_len_max")
+        m = torch.tensor([out[k] for k in maxima], dtype=torch.float64, device=dev)
         # DP group: the step's longest staleness and completion over every rank's samples.
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        out["staleness_max"], out["completion_len_max"] = m.tolist()
+        out.update(zip(maxima, m.tolist()))
 
     # -- evaluation, checkpoints, teardown ------------------------------------------------------
     def evaluate(self, path: str, limit: int = 0) -> float:

@@ -65,13 +65,18 @@ class Sample:
         logprobs: behaviour log-prob of each completion token under the distribution sampled
             from (temperature, and top-p/top-k truncation if enabled), in the engine's precision.
         finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
-        weight_version: the engine's weight version when the sample was generated.
+        weight_version: the engine's weight version of the sample's first completion token
+            (the oldest policy that produced any of it).
         group_id: index of the prompt in the request (the G completions of a prompt share it).
         reward: filled by the reward stage.
         meta: free-form (answer, data index...).
         routed_experts: MoE only: ``[P + C − 1, layers, k]`` (uint8/int16 tensor) the experts
             the engine's routers chose for every token it fed through the model (all but the
             last), for routing replay; None otherwise.
+        token_versions: the weight version of each completion token when they differ (SGLang
+            retracts in-flight requests at a weight push and resumes them under the new
+            weights); None when every token has ``weight_version``. ``logprobs`` are per token
+            under whichever weights sampled that token, so per-token ratios stay exact.
     """
 
     prompt_ids: List[int]
@@ -83,6 +88,7 @@ class Sample:
     reward: Optional[float] = None
     meta: dict = field(default_factory=dict)
     routed_experts: Optional["torch.Tensor"] = None
+    token_versions: Optional[List[int]] = None
 
     def __post_init__(self):
         if len(self.completion_ids) != len(self.logprobs):
@@ -90,6 +96,17 @@ class Sample:
                 f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
                 f"{len(self.logprobs)} log-probs"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.logprobs):
+            raise ValueError(
+                f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
+                f"{len(self.token_versions)} token weight versions"
+            )
+
+    def versions(self) -> List[int]:
+        """The weight version of every completion token."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * len(self.completion_ids)
 
 
 @dataclass
@@ -147,6 +164,7 @@ class Group:
                     "weight_version": s.weight_version,
                     "reward": s.reward,
                     "routed_experts": routes_out(s.routed_experts),
+                    "token_versions": s.token_versions,
                 }
                 for s in self.samples
             ],

@@ -1,4 +1,6 @@
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,3 +16,57 @@ def pools():
     reg = PoolRegistry()
     yield reg
     reg.close()
+
+
+@pytest.fixture(scope="session")
+def base(tmp_path_factory):
+    """The quickstart's own base model (trained to its target accuracy, ~30 s), so the learning
+    tests measure what a user gets (e2e and the SGLang tier)."""
+    from tests.e2e.cli import ENV, ROOT
+
+    out = tmp_path_factory.mktemp("e2e") / "base"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools/make_tiny_base.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "base.json").read_text())["heldout_greedy_acc"] >= 0.4
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_base(tmp_path_factory):
+    """A tiny random Qwen3-MoE (4 experts, top-2) on the addition task: HF and Megatron."""
+    from tests.e2e.cli import ENV, ROOT
+
+    out = tmp_path_factory.mktemp("moe") / "base"
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT)!r})
+from pathlib import Path
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from megatron_p3o.tasks.arithmetic import make_tokenizer, splits, write_jsonl
+out = Path({str(out)!r})
+tok = make_tokenizer(out / "hf")
+train, held = splits(seed=0)
+write_jsonl(train, out / "train.jsonl")
+write_jsonl(held[:64], out / "heldout.jsonl")
+torch.manual_seed(0)
+cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+    max_position_embeddings=32, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+Qwen3MoeForCausalLM(cfg).save_pretrained(out / "hf")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(
+        [sys.executable, "-m", "checkpoints_convert.hf_to_megatron", "--hf", str(out / "hf"),
+         "--out", str(out / "ckpt")], capture_output=True, text=True, env=ENV, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out

@@ -145,7 +145,7 @@ class SGLangBackend(RolloutBackend):
 
         if self.cfg.weight_sync == "colocated":  # every rank builds its GPU's IPC payload
             self.engine.update_weights_colocated(self.weights, version, self.cfg.sglang.tp_size)
-        else:  # streamed to rank 0, which pushes (NCCL broadcast or a disk checkpoint)
+        else:  # streamed to rank 0, which pushes (process group, tensors or disk)
             buckets = iter_hf_buckets(self.weights.to_rank0(), 256 * 2**20)
             self.engine.update_weights(buckets, version)
         self.evaluator.weight_version = version
@@ -173,9 +173,11 @@ def build_backend(
     params_dtype: str,
     pad_token_id: int,
     rollout_head: bool = False,
+    log_dir: str = ".",
 ) -> RolloutBackend:
     """The backend ``cfg.engine`` names; engines it started are stopped if it fails.
-    ``rollout_head``: the engine samples with R2PO's residual head (embedded engine only)."""
+    ``rollout_head``: the engine samples with R2PO's residual head (embedded engine only);
+    ``log_dir``: where launched SGLang servers write their (redacted) logs and pid files."""
     from ..model.description import description_to_hf_config
 
     if cfg.engine == "embedded":
@@ -190,7 +192,7 @@ def build_backend(
         )  # fmt: skip
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, pending)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
-    producer, evaluator = _central_engines(cfg, groups, hf)
+    producer, evaluator = _central_engines(cfg, groups, hf, log_dir)
     try:
         return SGLangBackend(producer, evaluator, weights, data, score, cfg, shard, start, pending)
     except BaseException:
@@ -198,28 +200,30 @@ def build_backend(
         raise
 
 
-def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict):
+def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict, log_dir: str):
     """SGLang on global rank 0, driven for every rank: one view for the rollout producer, one
     for evaluation, each with its own object group."""
     import os
 
     from ..parallel import new_object_group
     from .central import CentralEngine
-    from .sglang_engine import SGLangEngine, SGLangFleet
+    from .sglang import build_fleet
+    from .sglang.launch import resolve_device
 
     inner = None
     if groups.rank == 0:
         sg = replace(cfg.sglang, deterministic=cfg.sglang.deterministic or cfg.deterministic)
-        if hf_config.get("num_experts_per_tok"):  # MoE: ask for every token's experts (R3)
+        if hf_config.get("num_experts_per_tok") and (
+            cfg.routing_replay == "r3" or resolve_device(sg) != "cpu"
+        ):  # MoE: every token's experts (replay, or route agreement; a CPU server cannot)
             sg = replace(
                 sg,
                 routed_experts=(hf_config["num_hidden_layers"], hf_config["num_experts_per_tok"]),
             )
-        router = SGLangEngine(sg)
-        workers = [SGLangEngine(replace(sg, url=u)) for u in cfg.sglang_workers]
-        inner = SGLangFleet(router, workers or [router]).start()
+        inner = build_fleet(sg, cfg.sglang_workers, sg.log_dir or log_dir, cfg.weight_sync)
+        inner.start()
         try:
-            if cfg.weight_sync == "nccl":
+            if cfg.weight_sync == "distributed":
                 master = os.environ.get("MASTER_ADDR", "127.0.0.1")
                 inner.init_weight_update_groups(master, cfg.weight_sync_port)
         except BaseException:

@@ -11,8 +11,9 @@ scheduler's producer thread.
 
 Weights: the trainer streams full HF tensors to rank 0 after each sync point
 (:func:`megatron_p3o.weight_sync.stream.iter_hf_tensors_to_rank0`); rank 0 pushes them with the
-configured method (NCCL broadcast, CUDA IPC when colocated, or a safetensors directory on
-shared disk); every rank records the new version. Samples carry the version SGLang reports.
+configured method (a process-group broadcast, tensor payloads, CUDA IPC when colocated, or a
+safetensors directory on shared disk); every rank records the new version. Samples carry the
+versions SGLang reports (per token when a push came mid-request).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class CentralEngine(RolloutEngine):
         inner: Optional[RolloutEngine],
         groups: ParallelGroups,
         objects: dist.ProcessGroup,
-        weight_sync: str = "nccl",
+        weight_sync: str = "distributed",
         sync_dir: str = "",
         hf_config: Optional[dict] = None,
     ):
@@ -120,7 +121,7 @@ class CentralEngine(RolloutEngine):
         with the server's weights resumed before and its KV cache after."""
         from ..weight_sync import iter_hf_buckets
         from ..weight_sync.ipc import payload_ranks, serialize_named_tensors
-        from .sglang_engine import _with_last
+        from .sglang.protocol import with_last
 
         g = self.groups
         ranks = payload_ranks(server_tp, g.world_size)
@@ -131,7 +132,7 @@ class CentralEngine(RolloutEngine):
                 if released:
                     self.inner.resume_memory(["weights"])
                 stack.enter_context(self.inner.sessions())
-            for bucket, last in _with_last(iter_hf_buckets(iter(tensors), 256 * 2**20)):
+            for bucket, last in with_last(iter_hf_buckets(iter(tensors), 256 * 2**20)):
                 named = [(n, t.contiguous()) for n, t in bucket]
                 blob = serialize_named_tensors(named) if g.rank in ranks else None
                 blobs: List[Optional[str]] = [None] * g.world_size

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import List, Literal, Optional
 
 from ..types import SamplingParams
-from .sglang_engine import SGLangConfig
+from .sglang import SGLangConfig
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,13 @@ class RolloutConfig:
         (``torch.use_deterministic_algorithms``, ``CUBLAS_WORKSPACE_CONFIG``). GPU-unverified.
         On CPU the control is ``precision: fp32`` with the embedded engine.
     sglang: the SGLang server/router (``engine: sglang``): attach with ``url``, or launch.
-    weight_sync: how weights reach SGLang — "nccl" (update_weights_from_distributed,
-        disaggregated GPUs), "colocated" (CUDA IPC, same GPUs) or "disk" (fallback).
+    weight_sync: how weights reach SGLang — "distributed" (update_weights_from_distributed
+        over a process group, backend ``sglang.sync_backend``: nccl on GPUs, gloo for CPU
+        servers), "tensor" (update_weights_from_tensor from rank 0: data for CPU servers),
+        "colocated" (CUDA IPC from every trainer rank, same GPUs) or "disk" (a safetensors
+        directory every server reads; a relaunched server reloads it).
     weight_sync_dir: shared directory for the "disk" mode.
-    weight_sync_port: TCP port on trainer rank 0 for the "nccl" weight-update rendezvous
+    weight_sync_port: TCP port on trainer rank 0 for the "distributed" weight-update rendezvous
         (worker i uses weight_sync_port + i).
     sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
         weights are pushed to each of them (empty: ``sglang.url`` is the one server).
@@ -68,7 +71,7 @@ class RolloutConfig:
     engine_temperature: Optional[float] = None
     deterministic: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
-    weight_sync: Literal["nccl", "colocated", "disk"] = "nccl"
+    weight_sync: Literal["distributed", "tensor", "colocated", "disk"] = "distributed"
     weight_sync_dir: str = ""
     weight_sync_port: int = 29650
     sglang_workers: List[str] = field(default_factory=list)

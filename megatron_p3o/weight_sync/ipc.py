@@ -10,8 +10,10 @@ the same on the sending side. Each server TP rank reads only *its* payload
 (``serialized_named_tensors[tp_rank]``), so a colocated server of TP size T needs T payloads,
 each built by the trainer rank that shares that server rank's GPU.
 
-CPU tensors serialize through the same pickler (torch's shared-memory reductions): that is how
-the format is tested here against SGLang's own deserializer; the CUDA path needs a GPU.
+CPU tensors travel as plain pickled data (``pickle.dumps``: the tensor bytes themselves), which
+SGLang's ``SafeUnpickler`` reads on a CPU server. Torch's shared-memory reductions for CPU tensors
+send file descriptors that the server cannot receive over HTTP: the real server's TP worker dies
+with an ``AuthenticationError`` (seen on SGLang 0.5.23 on CPU). The CUDA path needs a GPU.
 """
 
 from __future__ import annotations
@@ -52,13 +54,24 @@ class _Pickler(ForkingPickler):
 
 
 def serialize_named_tensors(named: Sequence[Tuple[str, torch.Tensor]]) -> str:
-    """One payload: the base64 text of the pickled ``[(name, tensor), ...]`` (handles, not
-    data: the tensors must stay alive until the server has loaded them)."""
+    """One payload: the base64 text of the pickled ``[(name, tensor), ...]``: CUDA-IPC handles
+    for CUDA tensors (they must stay alive until the server has loaded them), the data for CPU
+    tensors."""
+    import pickle
+
     import torch.multiprocessing.reductions  # noqa: F401 - registers torch's reducers
 
-    buf = io.BytesIO()
-    _Pickler(buf).dump([(n, t) for n, t in named])
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    items = [(n, t) for n, t in named]
+    cuda = {t.is_cuda for _, t in items}
+    if cuda == {False, True}:
+        raise ValueError("a tensor payload mixes CUDA and CPU tensors")
+    if True in cuda:  # handles, not data: the tensors must stay alive until loaded
+        buf = io.BytesIO()
+        _Pickler(buf).dump(items)
+        raw = buf.getvalue()
+    else:  # the data itself (a CPU server; no file descriptors over HTTP)
+        raw = pickle.dumps([(n, t.detach().contiguous()) for n, t in items])
+    return base64.b64encode(raw).decode("ascii")
 
 
 def payload_ranks(server_tp: int, world_size: int) -> List[int]:

@@ -91,7 +91,7 @@ def colocated_push(groups, url: str, server_tp: int):
     rank's GPU builds that rank's IPC payload of each bucket and rank 0 posts them."""
     from megatron_p3o.parallel import new_object_group
     from megatron_p3o.rollout.central import CentralEngine
-    from megatron_p3o.rollout.sglang_engine import SGLangConfig, SGLangEngine, SGLangFleet
+    from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
 
     inner = None
     if groups.rank == 0:

@@ -92,7 +92,7 @@ def test_te_spec_matches_local_spec(tmp_path):
 def test_sglang_generate_logprobs_and_weight_sync(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_p3o.rollout.sglang_engine import SGLangConfig, SGLangEngine
+    from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine
     from megatron_p3o.types import SamplingParams
 
     _tiny_hf(tmp_path / "m0", seed=0)
@@ -145,13 +145,13 @@ def test_sglang_generate_logprobs_and_weight_sync(tmp_path):
 @pytest.mark.sglang
 @cuda
 @pytest.mark.skipif(not _have("sglang"), reason="needs sglang")
-@pytest.mark.parametrize("weight_sync", ["nccl", "disk"])
+@pytest.mark.parametrize("weight_sync", ["distributed", "disk"])
 def test_trainer_drives_a_real_sglang_server(tmp_path, weight_sync):
     """The tiny recipe for 3 steps with rollouts from a real SGLang server that training rank 0
     launches; weights pushed after every step. NCCL needs the server on a GPU of its own (one
     GPU for both is refused: NCCL cannot put two ranks of a group on one device)."""
     gpus = None
-    if weight_sync == "nccl":
+    if weight_sync == "distributed":
         if torch.cuda.device_count() < 2:
             pytest.skip("NCCL weight sync needs a second GPU for the server")
         gpus = "1"

@@ -107,7 +107,9 @@ def test_missing_recipe_and_bad_set():
 def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    base = ["rollout.engine=sglang", "rollout.weight_sync=nccl", "rollout.sglang.model_path=/m"]
+    base = ["rollout.engine=sglang", "rollout.weight_sync=distributed",
+            "rollout.sglang.model_path=/m", "rollout.sglang.device=cuda",
+            "rollout.sglang.sync_backend=nccl"]  # fmt: skip
     with pytest.raises(ConfigError, match="all of them; trainer GPUs 0,1,2,3"):
         load_config(None, base).check_rollout_gpus(4)  # the server would inherit GPUs 0-3
     with pytest.raises(ConfigError, match=r"\(3; trainer GPUs 0,1,2,3\)"):

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.rollout.sglang_engine import (
+from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine
+from megatron_p3o.rollout.sglang.launch import launch_command
+from megatron_p3o.rollout.sglang.protocol import (
     EngineResponseError,
     EngineUnavailableError,
-    SGLangConfig,
-    SGLangEngine,
     generate_payload,
-    launch_command,
     parse_generate_response,
 )
 from megatron_p3o.types import SamplingParams
@@ -45,7 +44,7 @@ def test_generate_payload_fields():
 
 
 def test_parse_response_fixture():
-    s = parse_generate_response(FIXTURE, [5, 6, 7, 8, 9], group_id=2, fallback_version=0)
+    s = parse_generate_response(FIXTURE, [5, 6, 7, 8, 9], group_id=2)
     assert s.completion_ids == [319, 4, 87, 2] and s.logprobs == [-1.2345, -0.0213, -3.5, -0.5]
     assert s.finish_reason == "stop" and s.weight_version == 3 and s.group_id == 2
 
@@ -69,16 +68,18 @@ def test_parse_response_refuses_bad_samples(mutate, needle):
     r = json.loads(json.dumps(FIXTURE))
     mutate(r)
     with pytest.raises(EngineResponseError, match=needle):
-        parse_generate_response(r, [1], 0, 0)
+        parse_generate_response(r, [1], 0)
 
 
 def test_launch_command():
     cmd = launch_command(
         SGLangConfig(
-            model_path="/m", quantization="fp8", kv_cache_dtype="fp8_e4m3", tp_size=2, port=31000
+            model_path="/m", quantization="fp8", kv_cache_dtype="fp8_e4m3", tp_size=2, port=31000,
+            python="/bin/sh", device="cuda",  # stands for the SGLang env's interpreter
         )
-    )
+    )  # fmt: skip
     joined = " ".join(cmd)
+    assert cmd[0] == "/bin/sh"  # the configured interpreter, never sys.executable
     for part in (
         "-m sglang.launch_server",
         "--model-path /m",
@@ -90,6 +91,19 @@ def test_launch_command():
         assert part in joined
     with pytest.raises(ValueError, match="model_path"):
         launch_command(SGLangConfig())
+    cpu = " ".join(launch_command(SGLangConfig(model_path="/m", device="cpu"), python="py"))
+    assert "--device cpu --max-total-tokens 65536" in cpu and "mem-fraction" not in cpu
+
+
+def test_launching_needs_the_sglang_interpreter(monkeypatch):
+    from megatron_p3o.rollout.sglang.launch import SGLangSetupError
+
+    monkeypatch.delenv("SGLANG_PYTHON", raising=False)
+    with pytest.raises(SGLangSetupError, match=r"rollout.sglang.python or \$SGLANG_PYTHON"):
+        launch_command(SGLangConfig(model_path="/m"))
+    monkeypatch.setenv("SGLANG_PYTHON", "/no/such/python")
+    with pytest.raises(SGLangSetupError, match="/no/such/python is not executable"):
+        launch_command(SGLangConfig(model_path="/m"))
 
 
 class _StandIn(BaseHTTPRequestHandler):

@@ -15,17 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_p3o.rollout.sglang_engine import (
+from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
+from megatron_p3o.rollout.sglang.launch import server_env
+from megatron_p3o.rollout.sglang.protocol import (
     EngineResponseError,
-    EngineUnavailableError,
-    SGLangConfig,
-    SGLangEngine,
-    SGLangFleet,
     disk_payload,
     distributed_payload,
     generate_payload,
     init_group_payload,
-    server_env,
 )
 from megatron_p3o.types import SamplingParams
 
@@ -96,7 +93,7 @@ def _client_requests():
     return [
         ("/generate", generate_payload([1, 2, 3], sp, seed=11)),
         ("/generate", generate_payload([1, 2, 3], sp, seed=11, routed_experts=True)),
-        ("/init_weights_update_group", init_group_payload("h", 29650, 3, "g")),
+        ("/init_weights_update_group", init_group_payload("h", 29650, 3, "g", "gloo")),
         ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=False)),
         ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=True)),
         ("/update_weights_from_disk", disk_payload("/m", 4)),
@@ -164,9 +161,19 @@ def servers():
 
 def _engine(srv, **kw):
     eng = SGLangEngine(SGLangConfig(url=srv.url, startup_timeout_s=10, max_retries=0, **kw))
-    eng._nccl = (None, "p3o_weight_sync")  # the group itself needs NCCL: broadcasts are stubbed
-    eng._broadcast = lambda tensors: None
+    eng._group = (_NoGroup(), "p3o_weight_sync", "gloo")  # broadcasts go nowhere
     return eng
+
+
+class _NoGroup:
+    """A weight-update group whose broadcasts complete at once (the stand-in receives none)."""
+
+    def broadcast(self, tensors, opts):
+        class Done:
+            def wait(self):
+                return True
+
+        return Done()
 
 
 def test_pushes_are_bracketed_per_worker(servers):
@@ -203,43 +210,6 @@ def test_samples_never_carry_a_version_the_server_does_not_hold(servers):
         eng.generate([[1]], 1, SamplingParams(max_new_tokens=2))
 
 
-class _Process:
-    """Stands for the launched server process: dead (exit 1) or running."""
-
-    def __init__(self, alive: bool):
-        self.returncode = None if alive else 1
-
-    def poll(self):
-        return self.returncode
-
-
-def _dies_and_relaunches(eng, srv):
-    eng.proc = _Process(alive=False)  # our launched server died ...
-
-    def relaunch():  # ... and comes back with the base weights of model_path
-        srv.restart()
-        eng.proc = _Process(alive=True)
-
-    eng._launch = relaunch
-
-
-def test_a_relaunched_server_is_reloaded_from_disk_or_refused(servers, tmp_path):
-    srv = servers()
-    eng = _engine(srv)
-    eng.update_weights_from_disk(str(tmp_path), 5)
-    eng._nccl = None
-    _dies_and_relaunches(eng, srv)
-    eng._recover()
-    assert srv.version == "5" and eng.restarts == 1  # reloaded from the last disk push
-    samples = eng.generate([[1]], 1, SamplingParams())
-    assert samples[0].weight_version == 5
-    nccl = _engine(srv)
-    nccl.update_weights([BUCKET], version=6)
-    _dies_and_relaunches(nccl, srv)
-    with pytest.raises(EngineUnavailableError, match="cannot be replayed"):
-        nccl._recover()
-
-
 def test_every_request_carries_the_api_key(servers, monkeypatch):
     srv = servers(api_key="s3cret")
     monkeypatch.delenv("P3O_SGLANG_API_KEY", raising=False)
@@ -266,7 +236,7 @@ def _sglang_function(name: str):
 def _group_member(rank: int, port: int, queue):
     """Rank 0: the trainer's ``weight_sync_group``; rank 1: SGLang's own
     ``init_custom_process_group``, called as its weight updater calls it (gloo on CPU)."""
-    from megatron_p3o.rollout.sglang_engine import weight_sync_group
+    from megatron_p3o.rollout.sglang.weights import weight_sync_group
 
     try:
         if rank == 0:
@@ -391,11 +361,12 @@ def test_every_launch_flag_is_a_server_argument_of_the_pinned_release():
     included) is an annotated server-argument field of the pinned release."""
     import re
 
-    from megatron_p3o.rollout.sglang_engine import SGLangConfig, server_args
+    from megatron_p3o.rollout.sglang.launch import server_args
 
-    cfg = SGLangConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3", deterministic=True,
-                       routed_experts=(2, 2))  # fmt: skip
-    flags = [a[2:].replace("-", "_") for a in server_args(cfg) if a.startswith("--")]
+    gpu = SGLangConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3", deterministic=True,
+                       routed_experts=(2, 2), device="cuda", max_total_tokens=4096)  # fmt: skip
+    cpu = SGLangConfig(device="cpu")
+    flags = [a[2:].replace("-", "_") for c in (gpu, cpu) for a in server_args(c) if a[:2] == "--"]
     assert "enable_deterministic_inference" in flags
     assert "enable_return_routed_experts" in flags
     with zipfile.ZipFile(_wheel()) as z:
@@ -416,7 +387,7 @@ def test_routed_experts_response_is_decoded_as_the_release_encodes_it():
 
     import numpy as np
 
-    from megatron_p3o.rollout.sglang_engine import parse_generate_response
+    from megatron_p3o.rollout.sglang.protocol import parse_generate_response
 
     routes = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 4
     resp = {

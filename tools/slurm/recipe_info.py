@@ -5,10 +5,11 @@ RUN_DIR (the run directory; the script writes its server logs under RUN_DIR/logs
 
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_p3o.config import load_config
-from megatron_p3o.rollout.sglang_engine import server_args
+from megatron_p3o.rollout.sglang.launch import server_args
 
 
 def main(argv):
@@ -22,7 +23,10 @@ def main(argv):
     print(f"WORLD={c.parallel.world_size}")
     print(f"SGL_TP={c.rollout.sglang.tp_size}")
     print(f"MODEL_HF={shlex.quote(c.rollout.sglang.model_path or c.model.checkpoint + '/hf')}")
-    print(f"SGL_ARGS={shlex.quote(' '.join(server_args(c.rollout.sglang)))}")
+    sg = c.rollout.sglang
+    if sg.device == "auto":  # the script serves on the job's GPUs, wherever this runs
+        sg = replace(sg, device="cuda")
+    print(f"SGL_ARGS={shlex.quote(' '.join(server_args(sg)))}")
     print(f"RUN_DIR={shlex.quote(str(Path(c.run.dir) / c.run.name))}")
 
 

@@ -1,0 +1,39 @@
+"""SGLang rollouts: launch (``launch``), the pinned release's protocol (``protocol``), one server
+over HTTP (``client``), weight transports (``weights``) and several servers (``fleet``).
+
+The trainer never imports sglang: servers run in their own environment (``tools/sglang_env.sh``)
+and are reached over HTTP plus a torch process group. ``rollout.sglang`` in a recipe is one flat
+mapping, :class:`SGLangConfig`; each module owns the fields it reads (its ``*Settings`` class,
+documented there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .client import ClientSettings, SGLangEngine
+from .fleet import FleetSettings, SGLangFleet, build_fleet
+from .launch import API_KEY_ENV, PYTHON_ENV, LaunchSettings, SGLangSetupError
+from .protocol import EngineResponseError, EngineUnavailableError
+from .weights import WeightSettings
+
+
+@dataclass(frozen=True)
+class SGLangConfig(FleetSettings, WeightSettings, ClientSettings, LaunchSettings):
+    """``rollout.sglang``: the fields of :class:`~.launch.LaunchSettings` (interpreter, device,
+    flags, ports, logs), :class:`~.client.ClientSettings` (url, timeouts, concurrency, retries,
+    restarts), :class:`~.weights.WeightSettings` (the weight-update group's backend) and
+    :class:`~.fleet.FleetSettings` (how many servers)."""
+
+
+__all__ = [
+    "API_KEY_ENV",
+    "PYTHON_ENV",
+    "EngineResponseError",
+    "EngineUnavailableError",
+    "SGLangConfig",
+    "SGLangEngine",
+    "SGLangFleet",
+    "SGLangSetupError",
+    "build_fleet",
+]

@@ -1,0 +1,351 @@
+"""One SGLang server (or a router) over HTTP: health, generation, weight-update sessions, and
+recovery of a launched server that died.
+
+Pushes follow SGLang 0.5.23's rules: ``/pause_generation`` (retract: in-flight requests wait and
+resume under the new weights, their tokens labelled per version) → ``/begin_weight_update`` →
+every bucket (cache flush and ``weight_version`` on the last one only) → ``/end_weight_update``
+(fp8 servers re-quantize here) → ``/continue_generation``. A launched server that died is
+relaunched (at most ``max_restarts`` times, one relaunch however many requests saw it die) and
+reloaded from the last disk push; after a push that came over a process group or as tensors it
+cannot be reloaded from here, and the run stops with a clear error: samples are never tagged with
+a version the server does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ...types import Sample, SamplingParams
+from ..engine import Bucket, RolloutEngine
+from .launch import (
+    API_KEY_ENV,
+    ServerProcess,
+    cpu_stub_dir,
+    launch_command,
+    resolve_device,
+    resolve_python,
+    server_env,
+)
+from .protocol import (
+    EngineResponseError,
+    EngineUnavailableError,
+    disk_payload,
+    distributed_payload,
+    generate_payload,
+    init_group_payload,
+    parse_generate_response,
+    tensor_payload,
+)
+from .weights import broadcast, resolve_backend, weight_sync_group
+
+_NET_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How the trainer talks to a server (the part of ``rollout.sglang`` this module reads).
+
+    Attributes:
+        url: attach to a running server or sglang router (no launch) when set.
+        request_timeout_s: per HTTP request.
+        max_concurrency: concurrent /generate requests per server (a router gets this many
+            times its servers).
+        max_retries: retries of one request after a connection failure.
+        max_restarts: relaunches of a launched server that died (then a clear error).
+    """
+
+    url: Optional[str] = None
+    request_timeout_s: float = 600.0
+    max_concurrency: int = 256
+    max_retries: int = 3
+    max_restarts: int = 2
+
+
+class SGLangEngine(RolloutEngine):
+    """A server at ``cfg.url``, or one this engine launches at ``port`` (logs in ``log_dir``)."""
+
+    name = "sglang"
+
+    def __init__(self, cfg, port: Optional[int] = None, label: str = "server0", log_dir=None):
+        self.cfg, self.label = cfg, label
+        self.port = cfg.port if port is None else port
+        self.url = (cfg.url or f"http://{cfg.host}:{self.port}").rstrip("/")
+        self.log_dir = Path(log_dir or cfg.log_dir or ".")
+        self.server: Optional[ServerProcess] = None  # launched by this engine
+        self.process: Optional[ServerProcess] = None  # whose liveness wait_healthy watches
+        self.concurrency = cfg.max_concurrency
+        self.restarts = 0
+        self.weight_version = 0
+        self._group = None  # (process group, name, backend) for update_weights_from_distributed
+        self._last_disk: Optional[Tuple[str, int]] = None  # (path, version) of the last disk push
+        self._lock = threading.Lock()  # one recovery at a time
+        self._epoch = 0  # bumped by each recovery: requests that failed before it just retry
+        self.on_failure: Optional[Callable[[], None]] = None  # a router's: recover its servers
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def launches(self) -> bool:
+        return self.cfg.url is None
+
+    def start(self) -> "SGLangEngine":
+        if self.launches and self.server is None:
+            self.launch()
+        self.wait_healthy(self.cfg.startup_timeout_s)
+        return self
+
+    def launch(self) -> None:
+        """Start the server process (returns at once; :meth:`wait_healthy` waits)."""
+        python = resolve_python(self.cfg)
+        cpu = cpu_stub_dir(python) if resolve_device(self.cfg) == "cpu" else None
+        key = os.environ.get(API_KEY_ENV)
+        self.server = ServerProcess(
+            launch_command(self.cfg, self.port, python),
+            server_env(gpus=self.cfg.gpus, cpu_libdir=cpu),
+            self.log_dir / f"{self.label}.log",
+            secrets=[key] if key else [],
+        ).start(config={"api-key": key} if key else None)
+        self.process = self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.server = self.process = None
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Until /health answers; fails at once if the process exits, naming its last lines."""
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            p = self.process
+            if p is not None and not p.alive():
+                raise EngineUnavailableError(
+                    f"SGLang {self.label} exited with code {p.returncode} during start-up "
+                    f"({p.printable}); last log lines: {p.tail()}"
+                )
+            try:
+                self._request("GET", "/health", None, timeout=5)
+                if p is not None:
+                    p.forget_config()
+                return
+            except _NET_ERRORS as e:
+                last = e
+                time.sleep(0.5)
+        tail = f"; last log lines: {self.process.tail()}" if self.process is not None else ""
+        raise EngineUnavailableError(
+            f"SGLang {self.label} at {self.url} not healthy after {timeout_s:.0f}s: {last}{tail}"
+        )
+
+    def health(self) -> dict:
+        try:
+            self._request("GET", "/health", None, timeout=5)
+            ok = True
+        except _NET_ERRORS:
+            ok = False
+        return {
+            "ok": ok,
+            "weight_version": self.weight_version,
+            "url": self.url,
+            "restarts": self.restarts,
+        }
+
+    def served_version(self) -> str:
+        """The ``weight_version`` the server itself reports (``/model_info``)."""
+        return str(self._request("GET", "/model_info", None, timeout=30)["weight_version"])
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    def _request(
+        self, method: str, path: str, body: Optional[dict], timeout: Optional[float] = None
+    ):
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get(API_KEY_ENV):
+            headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
+            raw = r.read()
+        return json.loads(raw) if raw else {}
+
+    def _post_with_recovery(self, path: str, body: dict):
+        """POST; on a connection failure recover (relaunch a dead launched server) and retry."""
+        err = None
+        for _ in range(self.cfg.max_retries + 1):
+            epoch = self._epoch
+            try:
+                return self._request("POST", path, body)
+            except urllib.error.HTTPError as e:  # the server answered: not a liveness problem
+                detail = e.read().decode(errors="replace")[:500]
+                raise EngineResponseError(
+                    f"SGLang {self.label} {path} returned HTTP {e.code}: {detail}"
+                ) from None
+            except _NET_ERRORS as e:
+                err = e
+                self._recover(epoch)
+        raise EngineUnavailableError(
+            f"SGLang {self.label} at {self.url} did not answer {path} after "
+            f"{self.cfg.max_retries + 1} attempts: {err}"
+        )
+
+    def _recover(self, failed_epoch: int) -> None:
+        with self._lock:
+            if self._epoch != failed_epoch:
+                return  # another request's recovery came after this one's failure: retry
+            if self.on_failure is not None:
+                self.on_failure()
+            elif self.server is not None and not self.server.alive():
+                self.relaunch()
+            else:
+                time.sleep(1.0)
+            self._epoch += 1
+
+    def relaunch(self) -> None:
+        """A launched server died: start it again (bounded) and give it the trainer's weights."""
+        if self.restarts >= self.cfg.max_restarts:
+            raise EngineUnavailableError(
+                f"SGLang {self.label} died (exit {self.server.returncode}) and was restarted "
+                f"{self.restarts} times already (max_restarts={self.cfg.max_restarts}); last log "
+                f"lines: {self.server.tail()}"
+            )
+        print(
+            f"SGLang {self.label} died (exit {self.server.returncode}); relaunching",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.restarts += 1
+        self.server.stop()
+        self.launch()
+        self.wait_healthy(self.cfg.startup_timeout_s)
+        self._restore_weights()
+
+    def _restore_weights(self) -> None:
+        """A relaunched server holds the base weights of ``model_path``: reload the trainer's
+        last weights from the last disk push, or stop — never serve them as the current ones."""
+        if self._last_disk is not None:
+            path, version = self._last_disk
+            self._post_checked("/update_weights_from_disk", disk_payload(path, version))
+            return
+        self._group = None  # the server's end of the group died with it
+        if self.weight_version > 0:
+            raise EngineUnavailableError(
+                f"SGLang {self.label} at {self.url} died and was restarted with the base "
+                f"weights; the trainer's weights (version {self.weight_version}) came over a "
+                "process group or as tensors and cannot be replayed from here. Restart the job: "
+                "it resumes from its last checkpoint (or use rollout.weight_sync=disk, which a "
+                "restarted server reloads)"
+            )
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> List[Sample]:
+        if n < 1:
+            raise ValueError(f"generate: n={n} must be >= 1")
+        jobs = [
+            (g, list(p), None if sampling.seed is None else sampling.seed * 1_000_003 + g * n + j)
+            for g, p in enumerate(prompts)
+            for j in range(n)
+        ]
+        from rich.progress import Progress
+
+        shape = self.cfg.routed_experts
+
+        def one(job):
+            g, p, seed = job
+            body = generate_payload(p, sampling, seed, routed_experts=shape is not None)
+            resp = self._post_with_recovery("/generate", body)
+            return parse_generate_response(resp, p, g, routed_experts=shape)
+
+        out: List[Sample] = []
+        with (
+            ThreadPoolExecutor(max(1, min(self.concurrency, len(jobs)))) as pool,
+            Progress(transient=True, disable=not sys.stderr.isatty()) as bar,
+        ):
+            task = bar.add_task(f"rollout (sglang {self.label})", total=len(jobs))
+            for s in pool.map(one, jobs):
+                out.append(s)
+                bar.advance(task)
+        return out
+
+    # -- weights ------------------------------------------------------------------------------
+    def _post_checked(self, path: str, body: dict) -> dict:
+        """POST and refuse ``success: false`` (SGLang answers weight routes that way)."""
+        resp = self._post_with_recovery(path, body)
+        if resp.get("success", True) is False:
+            raise EngineResponseError(f"SGLang {self.label} {path} failed: {resp.get('message')}")
+        return resp
+
+    @contextmanager
+    def weight_update_session(self):
+        """pause (retract) → begin → … → end → continue, for pushes of new weights."""
+        self._post_checked("/pause_generation", {"mode": "retract"})
+        try:
+            self._post_checked("/begin_weight_update", {})
+            try:
+                yield self
+            finally:
+                self._post_checked("/end_weight_update", {})
+        finally:
+            self._post_checked("/continue_generation", {})
+
+    def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        self._post_checked("/update_weights_from_disk", disk_payload(model_path, version))
+        self.weight_version = version
+        self._last_disk = (model_path, version)
+
+    def init_weight_update_group(
+        self, master_address: str, master_port: int, group_name: str = "p3o_weight_sync"
+    ) -> None:
+        """A group {trainer rank 0} ∪ {server ranks} for broadcasting weights (nccl or gloo)."""
+        world = 1 + self.cfg.tp_size
+        backend = resolve_backend(self.cfg)
+        body = init_group_payload(master_address, master_port, world, group_name, backend)
+        with ThreadPoolExecutor(1) as pool:  # both sides must join the rendezvous together
+            fut = pool.submit(self._post_checked, "/init_weights_update_group", body)
+            pg = weight_sync_group(master_address, master_port, world, group_name, backend)
+            fut.result()
+        self._group = (pg, group_name, backend)
+
+    def update_weights(self, buckets, version: int) -> None:
+        """One weight-update session over the process group (a fleet of one server)."""
+        from .fleet import SGLangFleet
+
+        SGLangFleet(self, [self]).update_weights(buckets, version)
+
+    def push_bucket(self, bucket: Bucket, version: int, last: bool) -> None:
+        """One bucket inside a session: the server receives it while rank 0 broadcasts it."""
+        if self._group is None:
+            raise RuntimeError(
+                "push_bucket needs init_weight_update_group first (or use update_weights_from_disk)"
+            )
+        pg, name, backend = self._group
+        body = distributed_payload(bucket, name, version, last)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(self._post_checked, "/update_weights_from_distributed", body)
+            broadcast(pg, [t for _, t in bucket], backend)
+            fut.result()
+
+    def push_tensors(self, payloads: Sequence[str], version: int, last: bool) -> None:
+        """One bucket as serialized tensors inside a session: payload r for server TP rank r."""
+        if len(payloads) != self.cfg.tp_size:
+            raise ValueError(
+                f"{len(payloads)} tensor payloads for a server of tp_size {self.cfg.tp_size}"
+            )
+        self._post_checked("/update_weights_from_tensor", tensor_payload(payloads, version, last))
+
+    def release_memory(self) -> None:
+        """Colocated: free the server's weights and KV cache for the trainer's update."""
+        self._post_checked("/release_memory_occupation", {})
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Colocated: take back ``tags`` ("weights", then "kv_cache" once they are loaded)."""
+        self._post_checked("/resume_memory_occupation", {"tags": list(tags)})

@@ -1,0 +1,180 @@
+"""Several SGLang servers as one engine: generation through one URL (an sglang-router in front
+of them, or the single server), weight pushes sent to every server directly (slime's
+arrangement: the router balances requests; each server keeps its own weight-update group).
+
+The fleet is either attached (``rollout.sglang.url``, with ``rollout.sglang_workers`` naming the
+servers behind a router) or launched (``rollout.sglang.servers`` servers on consecutive ports,
+plus a router when there are several); a launched fleet relaunches a server that died, also when
+the failure is seen through the router.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence
+
+from ...types import Sample, SamplingParams
+from ...weight_sync.ipc import serialize_named_tensors
+from ..engine import Bucket, RolloutEngine
+from .client import SGLangEngine
+from .launch import API_KEY_ENV, ServerProcess, free_port, resolve_python, router_command
+from .launch import server_env as launch_env
+from .protocol import with_last
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """How many servers (the part of ``rollout.sglang`` this module reads).
+
+    Attributes:
+        servers: servers to launch (ports ``port`` … ``port + servers − 1``); more than one gets
+            an sglang-router in front (ignored when attaching with ``url``).
+        router_port: the launched router's port (0: a free one).
+    """
+
+    servers: int = 1
+    router_port: int = 0
+
+
+class SGLangFleet(RolloutEngine):
+    """``router``: the generation engine; ``workers``: one engine per server (may be just the
+    router's server itself); ``transport``: "distributed" or "tensor" for :meth:`update_weights`."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        router: SGLangEngine,
+        workers: Sequence[SGLangEngine],
+        transport: str = "distributed",
+        router_process: Optional[ServerProcess] = None,
+    ):
+        self.router, self.workers, self.transport = router, list(workers), transport
+        self.router_process = router_process
+        self.weight_version = 0
+        if router_process is not None:
+            router.process = router_process
+            router.concurrency = sum(w.concurrency for w in self.workers)
+            router.on_failure = self._recover_workers
+
+    def start(self) -> "SGLangFleet":
+        """Launch what is to be launched (all at once), then wait for every server."""
+        try:
+            for w in self.workers:
+                if w.launches and w.server is None:
+                    w.launch()
+            for w in self.workers:
+                if w is not self.router:
+                    w.wait_healthy(w.cfg.startup_timeout_s)
+            if self.router_process is not None:  # the router needs healthy servers
+                self.router_process.start()
+            self.router.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.router_process is not None:
+            self.router_process.stop()
+        for w in {id(w): w for w in [self.router, *self.workers]}.values():
+            w.stop()
+
+    def _recover_workers(self) -> None:
+        """A request through the router failed: relaunch (and reload) any server that died."""
+        import time
+
+        dead = [w for w in self.workers if w.server is not None and not w.server.alive()]
+        for w in dead:
+            w.relaunch()
+        if not dead:
+            time.sleep(1.0)
+
+    def health(self) -> dict:
+        hs = [w.health() for w in self.workers]
+        return {
+            "ok": all(h["ok"] for h in hs),
+            "weight_version": self.weight_version,
+            "workers": hs,
+        }
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> List[Sample]:
+        return self.router.generate(prompts, n, sampling)
+
+    def init_weight_update_groups(self, master_address: str, first_port: int) -> None:
+        """One group per server ({trainer rank 0} ∪ that server's ranks), on consecutive ports."""
+        for i, w in enumerate(self.workers):
+            w.init_weight_update_group(
+                master_address, first_port + i, group_name=f"p3o_weight_sync_{i}"
+            )
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Every server pauses and opens a session; each bucket (streamed once from the
+        trainer, serialized once for tensor pushes) goes to every server in turn; then every
+        server closes and resumes."""
+        with self.sessions():
+            for bucket, last in with_last(buckets):
+                payload = serialize_named_tensors(bucket) if self.transport == "tensor" else None
+                for w in self.workers:
+                    if payload is None:
+                        w.push_bucket(bucket, version, last)
+                    else:
+                        w.push_tensors([payload] * w.cfg.tp_size, version, last)
+        for w in self.workers:
+            w.weight_version = version
+        self.weight_version = version
+
+    @contextmanager
+    def sessions(self):
+        """A weight-update session on every server (pause → begin … end → continue)."""
+        with ExitStack() as stack:
+            for w in self.workers:
+                stack.enter_context(w.weight_update_session())
+            yield self
+
+    def push_ipc(self, payloads: Sequence[str], version: int, last: bool) -> None:
+        for w in self.workers:
+            w.push_tensors(payloads, version, last)
+
+    def release_memory(self) -> None:
+        for w in self.workers:
+            w.release_memory()
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        for w in self.workers:
+            w.resume_memory(tags)
+
+    def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        for w in self.workers:
+            w.update_weights_from_disk(model_path, version)
+        self.weight_version = version
+
+
+def build_fleet(cfg, worker_urls: Sequence[str], log_dir, transport: str) -> SGLangFleet:
+    """The fleet ``cfg`` describes (not started): attached to ``cfg.url`` (and the servers in
+    ``worker_urls`` behind it), or ``cfg.servers`` launched servers with a router when > 1."""
+    log_dir = Path(log_dir)
+    if cfg.url is not None:
+        router = SGLangEngine(cfg, log_dir=log_dir)
+        workers = [SGLangEngine(replace(cfg, url=u), label=f"worker{i}", log_dir=log_dir)
+                   for i, u in enumerate(worker_urls)]  # fmt: skip
+        return SGLangFleet(router, workers or [router], transport)
+    servers = [SGLangEngine(cfg, port=cfg.port + i, label=f"server{i}", log_dir=log_dir)
+               for i in range(cfg.servers)]  # fmt: skip
+    if cfg.servers == 1:
+        return SGLangFleet(servers[0], servers, transport)
+    port = cfg.router_port or free_port(cfg.host)
+    key = os.environ.get(API_KEY_ENV)
+    proc = ServerProcess(
+        router_command(resolve_python(cfg), cfg.host, port, [s.url for s in servers], key),
+        launch_env(),
+        log_dir / "router.log",
+        secrets=[key] if key else [],
+    )
+    router = SGLangEngine(replace(cfg, url=f"http://{cfg.host}:{port}"), label="router")
+    return SGLangFleet(router, servers, transport, proc)

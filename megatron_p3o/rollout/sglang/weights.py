@@ -1,0 +1,79 @@
+"""Moving weights into SGLang servers: the weight-update process group and tensor payloads.
+
+Two transports besides the disk (``/update_weights_from_disk``, see ``central``):
+
+- **distributed**: ``/init_weights_update_group`` makes a group {trainer rank 0} ∪ {server
+  ranks}; each bucket is announced by ``/update_weights_from_distributed`` (names, dtypes,
+  shapes) while rank 0 broadcasts its tensors. The group's backend is a setting: ``nccl`` on
+  GPUs, ``gloo`` for CPU servers (NCCL refuses CPU tensors) and as a cluster fallback when the
+  two environments' NCCL versions differ. Under gloo no tensor is moved to a GPU.
+- **tensor**: ``/update_weights_from_tensor`` with one payload per server TP rank, made by
+  :func:`megatron_p3o.weight_sync.ipc.serialize_named_tensors` (CUDA-IPC handles for CUDA
+  tensors, plain pickled data for CPU tensors: a CPU server killed itself on the IPC format).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class WeightSettings:
+    """How pushes reach a server (the part of ``rollout.sglang`` this module reads).
+
+    Attributes:
+        sync_backend: the distributed weight-update group's backend: "auto" (nccl when the
+            trainer has CUDA, else gloo), "nccl" or "gloo" (CPU servers; GPU clusters whose
+            trainer and SGLang environments bring different NCCL versions).
+    """
+
+    sync_backend: Literal["auto", "nccl", "gloo"] = "auto"
+
+
+def resolve_backend(cfg: WeightSettings) -> str:
+    if cfg.sync_backend != "auto":
+        return cfg.sync_backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def weight_sync_group(
+    master_address: str, master_port: int, world: int, group_name: str, backend: str = "nccl"
+):
+    """The trainer's end (rank 0) of the weight-update group, made as SGLang makes its end
+    (``init_custom_process_group``): a ``tcp://`` rendezvous, the store wrapped in
+    ``PrefixStore(group_name)``, then torch's process-group helper, which adds its own
+    ``group_name/`` prefix. Any other wrapping puts the NCCL unique id under a key the server
+    never reads. Torch-private API: the one place it is used."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world = next(c10d.rendezvous(url, 0, world, timeout=timedelta(minutes=10)))
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timedelta(minutes=10),
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
+
+
+def broadcast(pg, tensors: Sequence[torch.Tensor], backend: str) -> None:
+    """Rank 0 of the weight-update group sends each full tensor to every server rank: on the
+    GPU for NCCL, from host memory for gloo."""
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    for t in tensors:
+        t = t.cuda() if backend == "nccl" else t.cpu()
+        # weight-update group: trainer rank 0 → every server rank, one tensor at a time
+        pg.broadcast([t.contiguous()], opts).wait()

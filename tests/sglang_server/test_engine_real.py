@@ -1,0 +1,184 @@
+"""The SGLang client against one real SGLang 0.5.23 server on CPU, launched through the
+trainer's launch path (``build_fleet`` → ``SGLangEngine.launch``): every weight-sync transport,
+per-token weight versions across a push mid-generation, and the API key.
+
+The server serves fp32, so its greedy decode equals the trainer's own (the embedded engine at
+fp32 over the same weights: transformers' forward, not this project's). The served model is the
+quickstart base with room for long completions (``max_position_embeddings`` 512).
+"""
+
+import json
+import os
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_p3o.rollout.embedded import EmbeddedEngine
+from megatron_p3o.rollout.sglang import API_KEY_ENV, SGLangConfig, build_fleet
+from megatron_p3o.rollout.sglang.launch import free_port
+from megatron_p3o.rollout.sglang.protocol import parse_generate_response
+from megatron_p3o.types import SamplingParams
+
+from .conftest import kill_launched, log_tail
+
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
+KEY = f"p3o-engine-test-key-{os.getpid()}"
+PROMPTS = [[1, *[5 + (i * 7 + j) % 10 for j in range(5)]] for i in range(12)]
+GREEDY = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6, stop_token_ids=(2,), seed=0)
+
+
+def _perturbed(base: dict, version: int) -> list:
+    """Version ``version`` of the weights: the base plus seeded noise (version 0: the base)."""
+    g = torch.Generator().manual_seed(version)
+    scale = 0.0 if version == 0 else 0.08
+    return sorted((n, t + scale * torch.randn(t.shape, generator=g)) for n, t in base.items())
+
+
+@pytest.fixture(scope="module")
+def served(base, tmp_path_factory):
+    """(fleet, hf dir, base tensors, hf config, log dir): one fp32 CPU server with an API key."""
+    d = tmp_path_factory.mktemp("served")
+    hf = d / "hf"
+    shutil.copytree(base / "hf", hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["max_position_embeddings"] = 512
+    (hf / "config.json").write_text(json.dumps(cfg))
+    os.environ[API_KEY_ENV] = KEY
+    sg = SGLangConfig(model_path=str(hf), dtype="float32", port=free_port(),
+                      startup_timeout_s=300, max_restarts=0)  # fmt: skip
+    fleet = build_fleet(sg, [], d / "logs", "distributed")
+    try:
+        fleet.start()
+        yield fleet, hf, load_file(str(hf / "model.safetensors")), cfg, d / "logs"
+    except BaseException:
+        print(log_tail(d / "logs"))
+        raise
+    finally:
+        fleet.stop()
+        kill_launched(d / "logs")
+        os.environ.pop(API_KEY_ENV, None)
+
+
+def _trainer_greedy(cfg: dict, named: list, version: int):
+    ref = EmbeddedEngine(cfg, "fp32", pad_token_id=cfg.get("pad_token_id") or 0)
+    ref.update_weights([named], version)
+    return [s.completion_ids for s in ref.generate(PROMPTS, 1, GREEDY)]
+
+
+def test_every_weight_sync_mode_each_push(served, tmp_path):
+    """disk → distributed (gloo) → tensor → disk again: after each push the served
+    ``weight_version`` is the one pushed, every sample carries it, and the server's greedy
+    decode equals the trainer's own greedy decode of the same weights."""
+    fleet, _, base_w, cfg, _ = served
+    server = fleet.workers[0]
+    fleet.init_weight_update_groups("127.0.0.1", free_port())
+    seen = []
+    for version, mode in enumerate(["disk", "distributed", "tensor", "disk"], start=1):
+        named = _perturbed(base_w, version)
+        if mode == "disk":
+            out = tmp_path / f"v{version}"
+            out.mkdir()
+            save_file(dict(named), str(out / "model.safetensors"))
+            (out / "config.json").write_text(json.dumps(cfg))
+            fleet.update_weights_from_disk(str(out), version)
+        else:
+            fleet.transport = mode
+            half = len(named) // 2  # two buckets: flush and version on the last only
+            fleet.update_weights(iter([named[:half], named[half:]]), version)
+        assert server.served_version() == str(version), mode
+        got = fleet.generate(PROMPTS, 1, GREEDY)
+        assert {s.weight_version for s in got} == {version} and all(
+            s.token_versions is None for s in got
+        )
+        want = _trainer_greedy(cfg, named, version)
+        assert [s.completion_ids for s in got] == want, (mode, version)
+        seen.append(tuple(map(tuple, want)))
+    assert len(set(seen)) > 1  # the versions really decode differently
+
+
+def _hf_logprobs(cfg: dict, named: list, prompt: list, completion: list) -> torch.Tensor:
+    """Teacher-forced fp32 transformers log-probs of ``completion`` under ``named``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    model.load_state_dict(dict(named), strict=False)
+    model.eval()
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_a_push_mid_generation_labels_tokens_per_version(served):
+    """Long requests in flight while a tensor push lands: SGLang retracts them and resumes them
+    under the new weights. Each such sample comes back with both versions per token, in order,
+    and each token's ℓb is the log-prob under the weights that sampled it."""
+    fleet, _, base_w, cfg, _ = served
+    server = fleet.workers[0]
+    v_old, v_new = _perturbed(base_w, 11), _perturbed(base_w, 12)
+    fleet.transport = "tensor"
+    fleet.update_weights(iter([v_old]), 11)
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    results, errors = [], []
+
+    def request(seed):
+        try:
+            b = {**body, "sampling_params": {**body["sampling_params"], "sampling_seed": seed}}
+            results.append(server._post_with_recovery("/generate", b))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=request, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # decoding: 6 × 400 tokens take several seconds on CPU
+    assert not results, "the requests finished before the push: make them longer"
+    fleet.update_weights(iter([v_new]), 12)
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    samples = [parse_generate_response(r, PROMPTS[0], 0) for r in results]
+    straddling = [s for s in samples if s.token_versions is not None]
+    assert straddling, [r["meta_info"].get("weight_versions") for r in results]
+    for s in straddling:
+        v = s.token_versions
+        cut = v.index(12)
+        assert v == [11] * cut + [12] * (len(v) - cut) and 0 < cut < len(v)
+        assert s.weight_version == 11  # the oldest policy that produced any of it
+        lb = torch.tensor(s.logprobs, dtype=torch.float64)
+        old = _hf_logprobs(cfg, v_old, s.prompt_ids, s.completion_ids)
+        new = _hf_logprobs(cfg, v_new, s.prompt_ids, s.completion_ids)
+        assert torch.allclose(lb[:cut], old[:cut], atol=1e-4), (lb[:cut] - old[:cut]).abs().max()
+        assert torch.allclose(lb[cut:], new[cut:], atol=1e-4), (lb[cut:] - new[cut:]).abs().max()
+        assert (old[cut:] - new[cut:]).abs().max() > 1e-2  # the two policies differ there
+
+
+def test_the_api_key_is_enforced_and_never_logged(served):
+    fleet, _, _, _, logs = served
+    server = fleet.workers[0]
+    req = urllib.request.Request(
+        server.url + "/generate",
+        data=json.dumps({"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 1}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 401
+    assert fleet.generate([[1, 5]], 1, GREEDY)  # with the key (the client's header): 200
+    text = (logs / "server0.log").read_text()
+    assert "server_args=" in text and "<redacted>" in text  # SGLang printed it, filtered
+    assert KEY not in text
+    cmdline = open(f"/proc/{server.server.proc.pid}/cmdline", "rb").read()
+    assert KEY.encode() not in cmdline  # passed by a private --config file, not argv
