@@ -1,11 +1,20 @@
-"""A loopback server that speaks SGLang 0.5.23's HTTP protocol and enforces its rules.
+"""A loopback server that speaks SGLang 0.5.23's HTTP protocol and enforces its rules — kept only
+for faults the real server cannot be made to produce.
+
+The SGLang-facing features themselves are tested against the real SGLang 0.5.23 server on CPU
+(``tests/sglang_server/``). This stand-in remains where the real server cannot show the case:
+non-finite behaviour log-probs (``EmbeddedStandIn(nan_logprobs=True)``, the CLI error test), a
+server that comes back with its base weights *between* two requests of one rollout (the
+"default" version refusal), the exact route order of a fleet's bracketed sessions, and colocated
+CUDA-IPC pushes with memory release (``/release_memory_occupation`` needs a GPU: on CPU the real
+server crashes in ``torch.cuda.synchronize``).
 
 What it enforces, as that release does (``tests/unit/test_sglang_protocol.py`` reads the rules
-from the release's own source): weight pushes over NCCL/IPC only inside a weight-update session
-(``/begin_weight_update`` … ``/end_weight_update``), ``weight_version`` reported as the string
-``"default"`` until a push sets it, and, when started with an API key, ``401`` for any request
-without ``Authorization: Bearer <key>``; a push while the weights' memory is released
-(colocated servers) is refused. It records every route it was asked for, in order.
+from the release's own source): weight pushes over a process group or as tensors only inside a
+weight-update session (``/begin_weight_update`` … ``/end_weight_update``), ``weight_version``
+reported as the string ``"default"`` until a push sets it, and, when started with an API key,
+``401`` for any request without ``Authorization: Bearer <key>``; a push while the weights' memory
+is released (colocated servers) is refused. It records every route it was asked for, in order.
 Generation is delegated to ``generate(body) -> (output_ids, logprobs, finish_type)``.
 """
 
@@ -14,6 +23,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 SESSION_ROUTES = ("/update_weights_from_distributed", "/update_weights_from_tensor")
@@ -142,3 +152,42 @@ class SGLangStandIn:
         if path == "/init_weights_update_group":
             return {"success": True, "message": ""}, 200
         return self._fail(f"no route {path}")
+
+
+class EmbeddedStandIn(SGLangStandIn):
+    """SGLang's protocol and rules (``tests/sglang_standin.py``) over the embedded engine."""
+
+    def __init__(self, hf_dir: Path, nan_logprobs: bool = False, api_key: Optional[str] = None):
+        from megatron_p3o.rollout.embedded import EmbeddedEngine
+
+        self.nan_logprobs = nan_logprobs  # report NaN behaviour log-probs (a broken server)
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        self.engine = EmbeddedEngine(cfg, "bf16", pad_token_id=cfg.get("pad_token_id") or 0)
+        self.engine_lock = threading.Lock()
+        super().__init__(self._generate, api_key=api_key, load_from_disk=self._load)
+
+    def _load(self, model_path: str) -> None:
+        from safetensors.torch import load_file
+
+        tensors = {}
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        with self.engine_lock:
+            self.engine.update_weights([list(tensors.items())], len(self.loads))
+
+    def _generate(self, body: dict):
+        from megatron_p3o.types import SamplingParams
+
+        sp = body["sampling_params"]
+        params = SamplingParams(
+            temperature=sp["temperature"],
+            top_p=sp["top_p"],
+            top_k=sp.get("top_k", 0),
+            max_new_tokens=sp["max_new_tokens"],
+            stop_token_ids=tuple(sp.get("stop_token_ids", ())),
+            seed=sp.get("sampling_seed"),
+        )
+        with self.engine_lock:
+            s = self.engine.generate([body["input_ids"]], 1, params)[0]
+        lps = [float("nan")] * len(s.logprobs) if self.nan_logprobs else s.logprobs
+        return s.completion_ids, lps, s.finish_reason

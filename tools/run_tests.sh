@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Fresh virtual environment, install the pinned versions (constraints-cpu.txt), lint, run the
-# whole test suite.
+# Fresh virtual environment, install the pinned versions (constraints-cpu.txt), the SGLang
+# serving environment (tools/sglang_env.sh), lint, run the whole test suite (the real SGLang
+# server tier included).
 # Usage: bash tools/run_tests.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,10 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+# the SGLang serving environment (its own venv, constraints-sglang.txt) for the real-server tier
+bash tools/sglang_env.sh
+SGLANG_PYTHON=$(realpath "${SGLANG_VENV:-.venv-sglang}")/bin/python
+export SGLANG_PYTHON
 # SGLang's pinned release, read as text (never imported) by tests/unit/test_sglang_protocol.py
 SGLANG_PIN=$(sed -n 's/.*"sglang==\([0-9.]*\)".*/\1/p' setup.py | head -1)
 if ! ls .cache/sglang/sglang-"$SGLANG_PIN"-*.whl > /dev/null 2>&1; then

@@ -106,7 +106,9 @@ def agreement(hooks: List[LayerRoutes], num_layers: int, device, group=None) -> 
 
     t = torch.zeros(num_layers, 2, dtype=torch.float64)
     for h in hooks:
-        t[h.layer] += h.agree
+        if h.agree is None:  # nothing recorded to compare with (an engine without routes)
+            continue
+        t[h.layer] += h.agree.cpu()
         h.agree.zero_()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dev = (

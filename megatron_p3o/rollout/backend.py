@@ -224,7 +224,9 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
         inner.start()
         try:
             if cfg.weight_sync == "distributed":
-                master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                # launched servers live on rank 0's node; attached ones reach it by name
+                local = sg.url is None
+                master = "127.0.0.1" if local else os.environ.get("MASTER_ADDR", "127.0.0.1")
                 inner.init_weight_update_groups(master, cfg.weight_sync_port)
         except BaseException:
             inner.stop()

@@ -126,9 +126,9 @@ def test_dead_rollout_server(base, tmp_path):
 
 @pytest.mark.e2e
 def test_non_finite_rollout_logprobs(base, tmp_path):
-    from .test_sglang_wiring import StandIn
+    from ..sglang_standin import EmbeddedStandIn
 
-    srv = StandIn(base / "ckpt" / "hf", nan_logprobs=True)
+    srv = EmbeddedStandIn(base / "ckpt" / "hf", nan_logprobs=True)
     try:
         r = _run(
             "-m",

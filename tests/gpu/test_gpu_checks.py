@@ -86,7 +86,6 @@ def test_te_spec_matches_local_spec(tmp_path):
     )
 
 
-@pytest.mark.sglang
 @cuda
 @pytest.mark.skipif(not _have("sglang"), reason="needs sglang")
 def test_sglang_generate_logprobs_and_weight_sync(tmp_path):
@@ -142,7 +141,6 @@ def test_sglang_generate_logprobs_and_weight_sync(tmp_path):
         assert all(s.weight_version == 5 for s in after)
 
 
-@pytest.mark.sglang
 @cuda
 @pytest.mark.skipif(not _have("sglang"), reason="needs sglang")
 @pytest.mark.parametrize("weight_sync", ["distributed", "disk"])

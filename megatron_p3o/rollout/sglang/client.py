@@ -174,7 +174,10 @@ class SGLangEngine(RolloutEngine):
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
             raw = r.read()
-        return json.loads(raw) if raw else {}
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError:  # the router answers /health in plain text
+            return {"text": raw.decode(errors="replace")}
 
     def _post_with_recovery(self, path: str, body: dict):
         """POST; on a connection failure recover (relaunch a dead launched server) and retry."""

@@ -22,7 +22,7 @@ from ..engine import Bucket, RolloutEngine
 from .client import SGLangEngine
 from .launch import API_KEY_ENV, ServerProcess, free_port, resolve_python, router_command
 from .launch import server_env as launch_env
-from .protocol import with_last
+from .protocol import EngineUnavailableError, with_last
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,35 @@ class SGLangFleet(RolloutEngine):
             if self.router_process is not None:  # the router needs healthy servers
                 self.router_process.start()
             self.router.start()
+            if self.router_process is not None:
+                self._wait_router_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_router_ready(self) -> None:
+        """Until the router has registered every server (``/readiness``: its /health answers
+        before that, and a server busy joining a weight group fails its registration)."""
+        import time
+
+        r, want = self.router, len(self.workers)
+        deadline = time.monotonic() + r.cfg.startup_timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if not self.router_process.alive():
+                break
+            try:
+                last = r._request("GET", "/readiness", None, timeout=5)
+                if last.get("healthy_workers") == want:
+                    return
+            except OSError as e:  # 503 until ready
+                last = e
+            time.sleep(0.5)
+        raise EngineUnavailableError(
+            f"sglang-router at {r.url} did not register its {want} servers within "
+            f"{r.cfg.startup_timeout_s:.0f}s ({last}); last log lines: {self.router_process.tail()}"
+        )
 
     def stop(self) -> None:
         if self.router_process is not None:

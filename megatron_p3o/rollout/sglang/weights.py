@@ -43,17 +43,21 @@ def weight_sync_group(
     master_address: str, master_port: int, world: int, group_name: str, backend: str = "nccl"
 ):
     """The trainer's end (rank 0) of the weight-update group, made as SGLang makes its end
-    (``init_custom_process_group``): a ``tcp://`` rendezvous, the store wrapped in
-    ``PrefixStore(group_name)``, then torch's process-group helper, which adds its own
-    ``group_name/`` prefix. Any other wrapping puts the NCCL unique id under a key the server
-    never reads. Torch-private API: the one place it is used."""
+    (``init_custom_process_group``): the ``tcp://`` rendezvous's store (hosted here, rank 0),
+    wrapped in ``PrefixStore(group_name)``, then torch's process-group helper, which adds its
+    own ``group_name/`` prefix. Any other wrapping puts the NCCL unique id under a key the server
+    never reads. The store is made directly, not by ``rendezvous("tcp://…")``: under torchrun
+    (``TORCHELASTIC_USE_AGENT_STORE``) that would join the agent's store instead of hosting one
+    at ``master_port``, and the server, which connects there, would wait forever.
+    Torch-private API: the one place it is used."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world = next(c10d.rendezvous(url, 0, world, timeout=timedelta(minutes=10)))
+    timeout = timedelta(minutes=10)
+    store = torch.distributed.TCPStore(master_address, master_port, world, True, timeout=timeout)
     store = c10d.PrefixStore(group_name, store)
+    rank = 0
     pg, _ = c10d._new_process_group_helper(
         world,
         rank,
@@ -62,7 +66,7 @@ def weight_sync_group(
         store,
         group_name=group_name,
         backend_options=None,
-        timeout=timedelta(minutes=10),
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
     return pg
