@@ -1,6 +1,9 @@
+import re
+
 import pytest
 
 from megatron_p3o.config import ConfigError, TrainConfig, load_config
+from megatron_p3o.errors import UserError
 
 
 def _write(tmp_path, text):
@@ -127,3 +130,28 @@ def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
         load_config(None, colocated + ["rollout.max_staleness=1"]).validate(2)
     with pytest.raises(ConfigError, match="nor skip a sync"):
         load_config(None, colocated + ["rollout.sync_every=2"]).validate(2)
+
+
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["rollout.deterministic=true"], "rollout.deterministic / rollout.sglang.deterministic "
+         "(--enable-deterministic-inference) with a CPU SGLang server"),
+        (["rollout.routing_replay=r3"], "rollout.routing_replay=r3 "
+         "(--enable-return-routed-experts) with a CPU SGLang server"),
+        (["rollout.weight_sync=colocated"], "a CPU SGLang server takes weight_sync=tensor"),
+        (["rollout.sglang.sync_backend=nccl"], "NCCL refuses CPU tensors"),
+        (["rollout.sglang.servers=0"], "rollout.sglang.servers=0 must be >= 1"),
+        (["rollout.sglang.servers=2", "rollout.sglang.url=http://h:1"], "rollout.sglang_workers"),
+    ],
+)  # fmt: skip
+def test_what_a_cpu_sglang_server_cannot_do_is_refused_at_config_time(sets, needle):
+    """SGLang 0.5.23 refuses deterministic inference on CPU and dies on routed experts there: one
+    config error naming the flag, not a dead server (the flags' names are checked against the
+    release by tests/unit/test_sglang_protocol.py)."""
+    base = ["rollout.engine=sglang", "rollout.sglang.model_path=/m", "rollout.sglang.device=cpu"]
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(None, base + sets).validate(1)
+    load_config(None, base).validate(1)  # gloo (auto) and the defaults are fine
+    gpu = [s.replace("device=cpu", "device=cuda") for s in base]
+    load_config(None, gpu + ["rollout.deterministic=true"]).validate(1)

@@ -96,3 +96,27 @@ def test_tiny_task_reward_ignores_the_character_tokenizer_spaces():
     from megatron_p3o.tasks.arithmetic import reward
 
     assert reward("2 8", "28") == 1.0 and reward("28", "28") == 1.0 and reward("2 9", "28") == 0.0
+
+
+def test_a_sample_spanning_two_versions_is_counted_and_trained_per_token():
+    """SGLang retracted a request at a push and resumed it under new weights: 3 tokens of
+    version 4, 2 of version 5. Staleness per sequence counts its oldest token, per token each
+    one; the loss side gets each token's own ℓb; a checkpoint keeps the versions."""
+    from megatron_p3o.batching import packed_microbatch
+    from megatron_p3o.metrics import staleness
+
+    lb = [-0.1, -0.2, -0.3, -1.4, -1.5]
+    span = Sample([1, 2], [7, 8, 9, 10, 11], lb, "length", 4, token_versions=[4, 4, 4, 5, 5])
+    fresh = Sample([1, 2], [7, 8], [-0.5, -0.6], "stop", 5)
+    st = staleness([span, fresh], trained=5)
+    assert st["staleness_mean"] == (1 + 0) / 2 and st["staleness_max"] == 1.0
+    assert st["staleness_token_mean"] == 3 / 7 and st["staleness_token_max"] == 1.0
+    assert st["straddling_frac"] == 0.5
+    mb = packed_microbatch([span, fresh], [1.0, -1.0], [0, 1], seq_length=16)
+    resp = mb["response"]
+    got = resp["behavior_logprobs"][resp["mask"] > 0].tolist()
+    assert got == pytest.approx(lb + [-0.5, -0.6])
+    back = Group.from_dict(Group(0, [1, 2], "3", [span]).to_dict()).samples[0]
+    assert back.token_versions == [4, 4, 4, 5, 5] and back.versions() == [4, 4, 4, 5, 5]
+    with pytest.raises(ValueError, match="2 token weight versions"):
+        Sample([1], [7, 8, 9], [-0.1] * 3, "stop", 1, token_versions=[1, 2])
