@@ -85,6 +85,7 @@ def main() -> None:
                 t = time.perf_counter()
                 if mode == "disk":
                     out = work / f"sync_v{version}"
+                    out.mkdir()
                     w = HFShardedWriter(out)
                     for name, x in named:
                         w.add(name, x)
@@ -126,8 +127,10 @@ def main() -> None:
                     out = eng.generate(prompts, 1, sp)
                     toks = sum(len(s.completion_ids) for s in out)
                     rates[name] = max(rates[name], toks / (time.perf_counter() - t))
-            print(f"\nrollout tokens/s: sglang {rates['sglang']:.0f}, embedded "
-                  f"{rates['embedded']:.0f} ({args.prompts} prompts × ≤ {args.new_tokens})")  # fmt: skip
+            print(
+                f"\nrollout tokens/s: sglang {rates['sglang']:.0f}, embedded "
+                f"{rates['embedded']:.0f} ({args.prompts} prompts × ≤ {args.new_tokens})"
+            )
         finally:
             fleet.stop()
         b = 64

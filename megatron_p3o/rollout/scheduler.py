@@ -11,8 +11,12 @@ itself) — and the difficult prompts the replay buffer wants re-evaluated. Roll
     after publication j − K − 1, with the newest weights published up to it,
     i.e. weight version  L·⌊(j − K)/L⌋  (clamped to the run's first version),
 
-so a sample trained on at step j is at most K + L − 1 versions stale, and exactly which weights
-produced each batch is fixed by the schedule, not by thread timing: runs are reproducible.
+so a sample trained on at step j is at most K + L − 1 versions stale, and which weights produce
+each batch is fixed by the schedule, not by thread timing: with the embedded engine runs are
+reproducible. SGLang is not: its per-request seed is honoured only under deterministic
+inference (GPU only), and a push that lands while a request is in flight retracts it and resumes
+it under the newer weights, so one sample may hold tokens of two versions
+(``Sample.token_versions``; each token's ℓb is under the weights that sampled it).
 K = 0 generates inline when the trainer asks; K ≥ 1 runs a producer thread that rolls out batch
 j + 1 … j + K while the trainer trains on batch j (the overlap AReaL/slime-style async gives).
 

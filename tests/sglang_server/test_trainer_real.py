@@ -90,7 +90,7 @@ def test_the_api_key_reaches_no_file_and_no_log(fp32_run):
 
 
 def test_bf16_serving_mismatch_is_at_bf16_level(base, reap):
-    m, _ = _train(base, reap, "bf16", "rollout.sglang.dtype=bfloat16", steps=2)
+    m, _ = _train(base, reap, "bf16", "rollout.sglang.dtype=bfloat16", steps=1)
     d = m[0]["abs_logprob_diff"]
     print(f"bf16 SGLang serving: first-step mean |ℓθ − ℓb| = {d:.4f}, e_B = {m[0]['ess']:.4f}")
     assert 1e-3 < d < 0.2, d  # bf16 rounding (the embedded bf16 engine: ≈ 0.01), not a bug
@@ -108,7 +108,7 @@ def test_a_server_killed_mid_run_is_relaunched_and_reloaded(base, reap):
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             metrics = run / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:
                 pgid = int((run / "sglang" / "server0.pid").read_text())
                 os.killpg(pgid, signal.SIGKILL)
                 killed.append(pgid)
@@ -119,12 +119,12 @@ def test_a_server_killed_mid_run_is_relaunched_and_reloaded(base, reap):
     t.start()
     m, r = _train(base, reap, "killed", "rollout.weight_sync=disk",
                   f"rollout.weight_sync_dir={reap / 'sync'}", "rollout.max_staleness=1",
-                  steps=6)  # fmt: skip
+                  steps=4)  # fmt: skip
     t.join(timeout=5)
     assert killed, "the server was never killed"
     assert "relaunching" in r.stderr
     assert int((run / "sglang" / "server0.pid").read_text()) != killed[0]
-    assert [x["step"] for x in m] == list(range(1, 7))
+    assert [x["step"] for x in m] == list(range(1, 5))
     assert all(x["staleness_max"] <= 1 for x in m)
 
 
@@ -133,7 +133,7 @@ def test_two_servers_behind_the_router_with_a_tp2_pp2_trainer(base, reap):
     to both servers over gloo groups after every step; the router spreads the requests, and
     every DP leader's prompts reach the servers exactly once."""
     held = reap / "heldout_small.jsonl"
-    held.write_text("".join((base / "heldout.jsonl").read_text().splitlines(True)[:24]))
+    held.write_text("".join((base / "heldout.jsonl").read_text().splitlines(True)[:16]))
     m, _ = _train(base, reap, "router", "parallel.tp=2", "parallel.pp=2",
                   "rollout.sglang.servers=2", f"data.eval_path={held}", nproc=4,
                   steps=2)  # fmt: skip
@@ -142,7 +142,7 @@ def test_two_servers_behind_the_router_with_a_tp2_pp2_trainer(base, reap):
     logs = [x.split("The server is fired up", 1)[1] for x in logs]
     gens = [x.count('"POST /generate HTTP/1.1" 200') for x in logs]
     assert all(g > 0 for g in gens), gens  # both servers served
-    assert sum(gens) == 2 * 8 * 8 + 2 * 24, gens  # 2 steps × 8 prompts × 8, two evaluations
+    assert sum(gens) == 2 * 8 * 8 + 2 * 16, gens  # 2 steps × 8 prompts × 8, two evaluations
     for x in logs:  # the initial weights and each step's, on every server
         assert x.count('"POST /update_weights_from_distributed HTTP/1.1" 200') >= 3
     assert (reap / "router" / "sglang" / "router.log").exists()

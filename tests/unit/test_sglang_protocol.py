@@ -285,53 +285,31 @@ def test_weight_sync_group_forms_with_sglangs_own_code():
     assert got == {0: [0.0, 1.0, 2.0, 3.0], 1: [0.0, 1.0, 2.0, 3.0]}, got
 
 
-def _sglang_class(name: str):
-    """A class from the pinned wheel's ``utils/common.py``, compiled here."""
-    import base64
-    import pickle
-
-    with zipfile.ZipFile(_wheel()) as z:
-        tree = ast.parse(z.read("sglang/srt/utils/common.py"))
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-    ns = {"pickle": pickle, "torch": torch, "io": __import__("io"), "pybase64": base64}
-    exec(compile(ast.Module([node], []), "sglang/srt/utils/common.py", "exec"), ns)  # noqa: S102
-    return ns[name]
-
-
-def _sglang_receiver(blob: str, queue):
-    """A server TP rank: decode the payload as SGLang does (base64, then its SafeUnpickler,
-    which allows only torch's rebuild functions and plain containers)."""
-    import base64
-    import io
-
-    try:
-        unpickler = _sglang_class("SafeUnpickler")
-        named = unpickler(io.BytesIO(base64.b64decode(blob, validate=True))).load()
-        queue.put([(n, t.tolist()) for n, t in named])
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        queue.put(repr(e))
-
-
-def test_ipc_payload_is_read_by_sglangs_deserializer():
-    """Our payload (built without sglang) decodes with SGLang 0.5.23's own unpickler in another
-    process, to the same named tensors (CPU tensors travel by shared memory; CUDA ones by
-    IPC handle with the device UUID, which needs a GPU)."""
-    import multiprocessing as mp
+def test_tensor_payload_is_read_by_sglangs_own_deserializer():
+    """Our payload (built without sglang) decodes with SGLang 0.5.23's own
+    ``MultiprocessingSerializer.deserialize`` (base64, then its ``SafeUnpickler``), run in the
+    SGLang environment, to the same named tensors: CPU tensors travel as data (a CPU server cannot
+    take torch's shared-memory file descriptors); CUDA ones by IPC handle, which needs a GPU."""
+    import json
+    import subprocess
 
     from megatron_p3o.weight_sync.ipc import serialize_named_tensors
 
-    _wheel()
+    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
+    if not os.access(py, os.X_OK):
+        pytest.fail(f"no SGLang environment at {py} (bash tools/sglang_env.sh)", pytrace=False)
     named = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.ones(2, 3))]
-    blob = serialize_named_tensors(named)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_sglang_receiver, args=(blob, q))
-    p.start()
-    try:
-        got = q.get(timeout=120)
-    finally:
-        p.join(timeout=10)
-    assert got == [(n, t.tolist()) for n, t in named], got
+    code = (
+        "import json, sys\n"
+        "from sglang.srt.utils.common import MultiprocessingSerializer\n"
+        "named = MultiprocessingSerializer.deserialize(sys.stdin.read())\n"
+        "print(json.dumps([(n, t.tolist()) for n, t in named]))\n"
+    )
+    r = subprocess.run([py, "-c", code], input=serialize_named_tensors(named), text=True,
+                       capture_output=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == [[n, t.tolist()] for n, t in named], got
 
 
 def test_a_restart_mid_rollout_never_mislabels_samples():
