@@ -122,8 +122,9 @@ class SGLangEngine(RolloutEngine):
             self.server.stop()
         self.server = self.process = None
 
-    def wait_healthy(self, timeout_s: float) -> None:
-        """Until /health answers; fails at once if the process exits, naming its last lines."""
+    def wait_healthy(self, timeout_s: float, path: str = "/health", ready=None) -> None:
+        """Until ``path`` answers (and ``ready(response)`` holds, when given); fails at once if
+        the watched process exits, naming its last log lines."""
         deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
@@ -134,16 +135,18 @@ class SGLangEngine(RolloutEngine):
                     f"({p.printable}); last log lines: {p.tail()}"
                 )
             try:
-                self._request("GET", "/health", None, timeout=5)
-                if p is not None:
-                    p.forget_config()
-                return
-            except _NET_ERRORS as e:
+                last = self._request("GET", path, None, timeout=5)
+                if ready is None or ready(last):
+                    if p is not None:
+                        p.forget_config()
+                    return
+            except _NET_ERRORS as e:  # not up yet (or 503 until ready)
                 last = e
-                time.sleep(0.5)
+            time.sleep(0.5)
         tail = f"; last log lines: {self.process.tail()}" if self.process is not None else ""
         raise EngineUnavailableError(
-            f"SGLang {self.label} at {self.url} not healthy after {timeout_s:.0f}s: {last}{tail}"
+            f"SGLang {self.label} at {self.url} not healthy ({path}) after {timeout_s:.0f}s: "
+            f"{last}{tail}"
         )
 
     def health(self) -> dict:

@@ -11,6 +11,7 @@ the failure is seen through the router.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..engine import Bucket, RolloutEngine
 from .client import SGLangEngine
 from .launch import API_KEY_ENV, ServerProcess, free_port, resolve_python, router_command
 from .launch import server_env as launch_env
-from .protocol import EngineUnavailableError, with_last
+from .protocol import with_last
 
 
 @dataclass(frozen=True)
@@ -82,24 +83,11 @@ class SGLangFleet(RolloutEngine):
     def _wait_router_ready(self) -> None:
         """Until the router has registered every server (``/readiness``: its /health answers
         before that, and a server busy joining a weight group fails its registration)."""
-        import time
-
-        r, want = self.router, len(self.workers)
-        deadline = time.monotonic() + r.cfg.startup_timeout_s
-        last = None
-        while time.monotonic() < deadline:
-            if not self.router_process.alive():
-                break
-            try:
-                last = r._request("GET", "/readiness", None, timeout=5)
-                if last.get("healthy_workers") == want:
-                    return
-            except OSError as e:  # 503 until ready
-                last = e
-            time.sleep(0.5)
-        raise EngineUnavailableError(
-            f"sglang-router at {r.url} did not register its {want} servers within "
-            f"{r.cfg.startup_timeout_s:.0f}s ({last}); last log lines: {self.router_process.tail()}"
+        want = len(self.workers)
+        self.router.wait_healthy(
+            self.router.cfg.startup_timeout_s,
+            "/readiness",
+            ready=lambda r: r.get("healthy_workers") == want,
         )
 
     def stop(self) -> None:
@@ -110,8 +98,6 @@ class SGLangFleet(RolloutEngine):
 
     def _recover_workers(self) -> None:
         """A request through the router failed: relaunch (and reload) any server that died."""
-        import time
-
         dead = [w for w in self.workers if w.server is not None and not w.server.alive()]
         for w in dead:
             w.relaunch()
