@@ -39,6 +39,7 @@ setup(
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
         # Weights & Biases logging (off by default; tests use its offline mode)
         "wandb": ["wandb"],
-        "dev": ["pytest>=8", "ruff", "wandb"],
+        # accelerate: transformers' FP8 checkpoint loader needs it (the FP8 export's test)
+        "dev": ["pytest>=8", "ruff", "wandb", "accelerate"],
     },
 )

@@ -1,10 +1,13 @@
 """Megatron-Core distributed checkpoint (written at any TP/PP) → HF directory, streaming.
 
     python -m checkpoints_convert.megatron_to_hf --ckpt CKPT_DIR --out HF_DIR
-        [--max-shard-size-gb 2] [--dtype bfloat16] [--hf-config DIR]
+        [--max-shard-size-gb 2] [--dtype bfloat16] [--hf-config DIR] [--quantize fp8]
 
 Writes config.json, the tokenizer files kept in the checkpoint (or from ``--hf-config``), sharded
 safetensors and the index, which ``transformers`` and SGLang load as is. Atomic (temp dir + rename).
+``--quantize fp8``: the linears as 128×128 block FP8 (e4m3 ``weight`` + fp32 ``weight_scale_inv``,
+``quantization_config`` in config.json), the checkpoint FP8 rollout servers load; quantized by
+:func:`megatron_p3o.weight_sync.fp8.quantize_block`, the same function as every push to them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def convert(
     hf_config_dir: Optional[str] = None,
     groups=None,
     progress: bool = True,
+    quantize: Optional[str] = None,
 ) -> dict:
     from rich.progress import Progress
 
@@ -37,6 +41,7 @@ def convert(
     from megatron_p3o.hf.safetensors_io import HFShardedWriter, atomic_dir, copy_aux_files
     from megatron_p3o.model.description import description_to_hf_config
     from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.weight_sync.fp8 import quantization_config, quantize_named
 
     if Path(out_dir).exists():
         raise OutputExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
@@ -51,8 +56,11 @@ def convert(
         task = bar.add_task(f"Megatron → HF {Path(ckpt_dir).name}", total=len(tensor_maps(desc)))
         writer = HFShardedWriter(tmp, max_shard_bytes)
         for tm, t in read_checkpoint(ckpt_dir):
-            for name, tensor in to_hf(tm, t, desc).items():
-                writer.add(name, tensor.to(out_dtype))
+            named = ((name, x.to(out_dtype)) for name, x in to_hf(tm, t, desc).items())
+            if quantize == "fp8":
+                named = quantize_named(named)
+            for name, tensor in named:
+                writer.add(name, tensor)
                 n += 1
             bar.advance(task)
         writer.close()
@@ -61,6 +69,10 @@ def convert(
             cfg["torch_dtype"] = str(out_dtype).replace("torch.", "")
         else:
             cfg = description_to_hf_config(desc, str(out_dtype).replace("torch.", ""))
+        if quantize == "fp8":
+            cfg["quantization_config"] = quantization_config()
+        else:
+            cfg.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         copied = copy_aux_files(src_cfg, tmp)
     return {
@@ -83,6 +95,12 @@ def main(argv=None) -> int:
         default=None,
         help="directory with config.json/tokenizer to use instead of the stored ones",
     )
+    ap.add_argument(
+        "--quantize",
+        choices=["fp8"],
+        default=None,
+        help="fp8: 128x128 block-FP8 linears (the checkpoint FP8 SGLang servers load)",
+    )
     ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
     report = convert(
@@ -91,6 +109,7 @@ def main(argv=None) -> int:
         max_shard_bytes=int(a.max_shard_size_gb * 2**30),
         dtype=a.dtype,
         hf_config_dir=a.hf_config,
+        quantize=a.quantize,
     )
     print(json.dumps(report, indent=2))
     return 0

@@ -232,6 +232,13 @@ class TrainConfig:
                 "rollout.sglang.kv_cache_dtype=fp8_e5m2 forces SGLang's triton attention "
                 "backend; use fp8_e4m3"
             )
+        if r.engine == "sglang" and r.sglang.quantization not in (None, "fp8"):
+            raise ConfigError(
+                f"rollout.sglang.quantization={r.sglang.quantization!r}: SGLang's online "
+                "quantization replaces the weights' Parameters without their loaders, so weight "
+                "pushes fail; use quantization=fp8 (a block-FP8 checkpoint, pushes quantized by "
+                "the trainer) or null"
+            )
         if r.engine == "sglang":
             self._check_sglang_device()
 
@@ -256,6 +263,15 @@ class TrainConfig:
             routed_experts=(1, 1) if r.routing_replay == "r3" else None,
         )
         check_device_flags(probe)
+        gloo = sg.sync_backend == "gloo" or (
+            sg.sync_backend == "auto" and resolve_device(sg) == "cpu"
+        )
+        if sg.quantization == "fp8" and r.weight_sync == "distributed" and gloo:
+            raise ConfigError(
+                "rollout.sglang.quantization=fp8 with a gloo weight group: gloo cannot carry "
+                "float8 tensors ('Invalid scalar type'); use sync_backend=nccl, or "
+                "weight_sync=disk or tensor"
+            )
         if resolve_device(sg) != "cpu":
             return
         if r.weight_sync == "colocated":

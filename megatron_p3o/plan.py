@@ -17,7 +17,11 @@ Memory model (per GPU, the most loaded pipeline stage; an estimate, not a measur
     ``model.seq_length``), else micro_batch_size × seq_length; 1F1B keeps min(PP, micro-batches)
     micro-batches alive on the first stage; plus the fp32 logits of one micro-batch (s·b·V/t·4)
     on the last stage.
-Rollout-engine memory (SGLang, colocated) is not included.
+Rollout-engine memory: a colocated SGLang server (``weight_sync: colocated``, launched with
+``--enable-memory-saver``) frees its weights and KV cache while the trainer updates, but while it
+generates it holds ``mem_fraction_static`` of the GPU next to the trainer's resident state
+(parameters, gradients, optimizer, reference; activations and logits are gone by then): that sum
+must fit too, or the dry run refuses the recipe.
 """
 
 from __future__ import annotations
@@ -210,10 +214,42 @@ def format_plan(
     return lines
 
 
+_TRANSIENT = ("activations", "logits")  # freed between the update and the next rollout
+
+
+def colocated_rollout_gib(cfg: TrainConfig, plan: Plan, gpu_gib: float) -> Dict[str, float]:
+    """While a colocated server generates: the trainer's resident GiB and the server's
+    (``mem_fraction_static`` × the GPU); empty when the server is not colocated."""
+    r = cfg.rollout
+    if r.engine != "sglang" or r.weight_sync != "colocated":
+        return {}
+    resident = sum(v for k, v in plan.gib.items() if k not in _TRANSIENT)
+    return {"trainer": resident, "server": r.sglang.mem_fraction_static * gpu_gib}
+
+
 def dry_run(recipe: str, cfg: TrainConfig, world_size: int, gpu_gib: float) -> int:
-    """``train --dry-run``: the layout and batch checks and the memory estimate, printed."""
+    """``train --dry-run``: the layout and batch checks and the memory estimate, printed; a
+    colocated server that cannot fit next to the trainer is refused."""
     desc, div = describe_model(cfg)
     plan = make_plan(cfg, world_size, desc, div)
+    lines = format_plan(cfg, plan, desc, gpu_gib)
+    co = colocated_rollout_gib(cfg, plan, gpu_gib)
+    if co:
+        total, limit = co["trainer"] + co["server"], 0.9 * gpu_gib
+        frac = cfg.rollout.sglang.mem_fraction_static
+        lines.append(
+            f"while the colocated server generates: trainer {co['trainer']:.2f} GiB resident + "
+            f"server {co['server']:.2f} GiB (mem_fraction_static {frac}) = {total:.2f} GiB"
+        )
+        if total > limit:
+            room = max(0.0, (limit - co["trainer"]) / gpu_gib)
+            raise ConfigError(
+                f"rollout.sglang.mem_fraction_static={frac}: a colocated server takes "
+                f"{co['server']:.1f} GiB next to the trainer's {co['trainer']:.1f} GiB resident "
+                f"(parameters, gradients, optimizer) = {total:.1f} GiB > 90% of {gpu_gib:.0f} "
+                f"GiB; use mem_fraction_static <= {int(room * 100) / 100:.2f} or shrink the "
+                "trainer's state (--dry-run prints the breakdown)"
+            )
     print(f"{recipe}: OK (world size {world_size})")
-    print("\n".join(format_plan(cfg, plan, desc, gpu_gib)))
+    print("\n".join(lines))
     return 0

@@ -142,12 +142,18 @@ class SGLangBackend(RolloutBackend):
 
     def _sync(self, version: int) -> WeightUpdate:
         from ..weight_sync import iter_hf_buckets
+        from ..weight_sync.fp8 import quantize_named
 
+        fp8 = self.cfg.sglang.quantization == "fp8"  # block FP8 + scales, see weight_sync.fp8
         if self.cfg.weight_sync == "colocated":  # every rank builds its GPU's IPC payload
-            self.engine.update_weights_colocated(self.weights, version, self.cfg.sglang.tp_size)
+            self.engine.update_weights_colocated(
+                self.weights, version, self.cfg.sglang.tp_size, fp8=fp8
+            )
         else:  # streamed to rank 0, which pushes (process group, tensors or disk)
-            buckets = iter_hf_buckets(self.weights.to_rank0(), 256 * 2**20)
-            self.engine.update_weights(buckets, version)
+            tensors = self.weights.to_rank0()
+            if fp8:
+                tensors = quantize_named(tensors)
+            self.engine.update_weights(iter_hf_buckets(tensors, 256 * 2**20), version)
         self.evaluator.weight_version = version
         return WeightsPushed()
 
@@ -192,6 +198,10 @@ def build_backend(
         )  # fmt: skip
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, pending)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
+    if cfg.sglang.quantization == "fp8":
+        from ..weight_sync.fp8 import quantization_config
+
+        hf["quantization_config"] = quantization_config()
     producer, evaluator = _central_engines(cfg, groups, hf, log_dir)
     try:
         return SGLangBackend(producer, evaluator, weights, data, score, cfg, shard, start, pending)
@@ -220,6 +230,10 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
                 sg,
                 routed_experts=(hf_config["num_hidden_layers"], hf_config["num_experts_per_tok"]),
             )
+        if cfg.weight_sync == "distributed":
+            _check_nccl(sg)
+        if cfg.weight_sync == "colocated":  # else /release_memory_occupation frees nothing
+            sg = replace(sg, memory_saver=True)
         inner = build_fleet(sg, cfg.sglang_workers, sg.log_dir or log_dir, cfg.weight_sync)
         inner.start()
         try:
@@ -237,3 +251,23 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
         )
         for _ in range(2)
     )
+
+
+def _check_nccl(sg) -> None:
+    """Before any server starts: an NCCL weight group needs one NCCL version on both sides."""
+    import os
+
+    from .sglang.launch import PYTHON_ENV
+    from .sglang.weights import (
+        check_nccl_versions,
+        resolve_backend,
+        server_nccl_version,
+        trainer_nccl_version,
+    )
+
+    python = sg.python or os.environ.get(PYTHON_ENV)
+    if resolve_backend(sg) != "nccl" or not python:
+        return
+    trainer = trainer_nccl_version()
+    if trainer is not None:
+        check_nccl_versions(trainer, server_nccl_version(python), python)

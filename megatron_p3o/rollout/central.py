@@ -114,11 +114,14 @@ class CentralEngine(RolloutEngine):
         # objects group: the trainer ranks sharing the server's GPUs wait for the release.
         dist.barrier(group=self.objects)
 
-    def update_weights_colocated(self, weights, version: int, server_tp: int) -> None:
+    def update_weights_colocated(
+        self, weights, version: int, server_tp: int, fp8: bool = False
+    ) -> None:
         """Colocated CUDA-IPC push (collective). Every rank holds the full tensors on its own
         GPU; ranks 0…T−1, which share the GPUs of server ranks 0…T−1, serialize their copy of
         each bucket; rank 0 sends payload r to server rank r inside one weight-update session,
-        with the server's weights resumed before and its KV cache after."""
+        with the server's weights resumed before and its KV cache after. ``fp8``: block-FP8
+        weights plus scales (:func:`~megatron_p3o.weight_sync.fp8.quantize_named`)."""
         from ..weight_sync import iter_hf_buckets
         from ..weight_sync.ipc import payload_ranks, serialize_named_tensors
         from .sglang.protocol import with_last
@@ -126,6 +129,10 @@ class CentralEngine(RolloutEngine):
         g = self.groups
         ranks = payload_ranks(server_tp, g.world_size)
         tensors = weights.full()
+        if fp8:
+            from ..weight_sync.fp8 import quantize_named
+
+            tensors = list(quantize_named(tensors))
         released = self._released
         with ExitStack() as stack:
             if self.inner is not None:

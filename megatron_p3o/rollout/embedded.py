@@ -45,6 +45,8 @@ from torch import Tensor
 
 from ..hf.mapping import parse_moe_hf_name
 from ..types import Sample, SamplingParams
+from ..weight_sync.fp8 import FP8_LINEARS as _FP8_LINEARS
+from ..weight_sync.fp8 import FP8_MAX, quant_dequant_block
 from .engine import Bucket, RolloutEngine
 
 PRECISIONS = {
@@ -55,25 +57,16 @@ PRECISIONS = {
     "fp8_block": torch.bfloat16,
     "fp8_w8a8": torch.bfloat16,
 }
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_FP8_LINEARS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
-)  # fmt: skip
 
 
 def fp8_quant_dequant(w: Tensor, block: Optional[int] = None) -> Tensor:
-    """``w`` rounded through float8_e4m3fn: one scale per tensor, or per ``block × block`` tile."""
+    """``w`` rounded through float8_e4m3fn: one scale per tensor, or per ``block × block`` tile
+    (:func:`megatron_p3o.weight_sync.fp8.quantize_block`, the quantizer of FP8 pushes)."""
+    if block is not None:
+        return quant_dequant_block(w, block)
     w32 = w.float()
-    if block is None:
-        scale = w32.abs().max().clamp_min(1e-12) / FP8_MAX
-        return ((w32 / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
-    rows, cols = w32.shape
-    pr, pc = -rows % block, -cols % block
-    padded = torch.nn.functional.pad(w32, (0, pc, 0, pr))
-    tiles = padded.reshape(padded.shape[0] // block, block, padded.shape[1] // block, block)
-    scale = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX
-    q = (tiles / scale).to(torch.float8_e4m3fn).float() * scale
-    return q.reshape(padded.shape)[:rows, :cols].to(w.dtype)
+    scale = w32.abs().max().clamp_min(1e-12) / FP8_MAX
+    return ((w32 / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
 
 def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:

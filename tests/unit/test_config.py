@@ -143,6 +143,9 @@ def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
         (["rollout.sglang.sync_backend=nccl"], "NCCL refuses CPU tensors"),
         (["rollout.sglang.servers=0"], "rollout.sglang.servers=0 must be >= 1"),
         (["rollout.sglang.servers=2", "rollout.sglang.url=http://h:1"], "rollout.sglang_workers"),
+        (["rollout.sglang.quantization=fp8", "rollout.weight_sync=distributed"],
+         "gloo cannot carry float8 tensors"),
+        (["rollout.sglang.quantization=awq"], "online quantization replaces the weights"),
     ],
 )  # fmt: skip
 def test_what_a_cpu_sglang_server_cannot_do_is_refused_at_config_time(sets, needle):
@@ -155,3 +158,4 @@ def test_what_a_cpu_sglang_server_cannot_do_is_refused_at_config_time(sets, need
     load_config(None, base).validate(1)  # gloo (auto) and the defaults are fine
     gpu = [s.replace("device=cpu", "device=cuda") for s in base]
     load_config(None, gpu + ["rollout.deterministic=true"]).validate(1)
+    load_config(None, gpu + ["rollout.sglang.quantization=fp8"]).validate(1)  # nccl there

@@ -69,6 +69,53 @@ def test_dry_run_names_the_problem(capsys, monkeypatch):
     assert "batch.max_tokens_per_gpu=0 must be >= 1" in capsys.readouterr().err
 
 
+def test_colocated_server_memory_is_counted(capsys, monkeypatch):
+    """A colocated server holds mem_fraction_static of the GPU next to the trainer's resident
+    state (parameters + gradients + optimizer) while it generates: the MoE recipe's old 0.5
+    (40 GiB next to 47.7) is refused with the fraction that fits; the recipe's value fits."""
+    monkeypatch.chdir(ROOT)
+    r = str(ROOT / "recipes/qwen3_30b_a3b_h100x8.yaml")
+    assert _cli(monkeypatch, r, "--dry-run", "--set", "rollout.sglang.mem_fraction_static=0.5") == 2
+    err = capsys.readouterr().err
+    assert "mem_fraction_static=0.5" in err and "use mem_fraction_static <= 0.30" in err
+    assert main([r, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    resident = sum(
+        float(line.split()[1])
+        for line in out.splitlines()
+        if line.split()[:1] and line.split()[0] in ("parameters", "gradients", "optimizer")
+    )
+    assert f"trainer {resident:.2f} GiB resident + server 24.00 GiB" in out
+
+
+def test_colocated_launch_enables_the_memory_saver(monkeypatch, tmp_path):
+    """weight_sync=colocated launches SGLang with --enable-memory-saver (without it SGLang's
+    no-op adapter makes /release_memory_occupation free nothing); other modes do not."""
+    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.rollout import backend as backend_mod
+    from megatron_p3o.rollout.sglang import fleet
+    from megatron_p3o.rollout.sglang.launch import server_args
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_fleet(sg, workers, log_dir, transport):
+        seen.append(server_args(sg))
+        raise Stop
+
+    monkeypatch.setattr(fleet, "build_fleet", fake_fleet)
+    monkeypatch.setattr("megatron_p3o.rollout.sglang.build_fleet", fake_fleet)
+    groups = initialize(Layout())
+    base = ["rollout.engine=sglang", "rollout.sglang.model_path=/m", "rollout.sglang.device=cuda"]
+    for mode in ("colocated", "distributed", "disk"):
+        cfg = load_config(None, base + [f"rollout.weight_sync={mode}"])
+        with pytest.raises(Stop):
+            backend_mod._central_engines(cfg.rollout, groups, {}, str(tmp_path))
+    assert ["--enable-memory-saver" in a for a in seen] == [True, False, False]
+
+
 @pytest.mark.parametrize(
     "name",
     ["qwen3-8b", "qwen3-32b", "llama-3.1-70b", "qwen3-30b-a3b", "tiny-llama", "tiny-qwen3-moe"],

@@ -342,11 +342,12 @@ def test_every_launch_flag_is_a_server_argument_of_the_pinned_release():
     from megatron_p3o.rollout.sglang.launch import server_args
 
     gpu = SGLangConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3", deterministic=True,
-                       routed_experts=(2, 2), device="cuda", max_total_tokens=4096)  # fmt: skip
+                       routed_experts=(2, 2), device="cuda", max_total_tokens=4096,
+                       memory_saver=True)  # fmt: skip
     cpu = SGLangConfig(device="cpu")
     flags = [a[2:].replace("-", "_") for c in (gpu, cpu) for a in server_args(c) if a[:2] == "--"]
     assert "enable_deterministic_inference" in flags
-    assert "enable_return_routed_experts" in flags
+    assert "enable_return_routed_experts" in flags and "enable_memory_saver" in flags
     with zipfile.ZipFile(_wheel()) as z:
         text = "\n".join(
             z.read(n).decode()

@@ -20,6 +20,7 @@ refuses on CPU is refused here, at config time.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -63,7 +64,10 @@ class LaunchSettings:
             own environment has no sglang).
         device: "auto" (cuda when the trainer sees a GPU, else cpu), "cuda" or "cpu".
         dtype: serving dtype ("bfloat16", "float16", "float32", "auto").
-        quantization: e.g. "fp8" (weights) or None.
+        quantization: "fp8" or None. "fp8": ``model_path`` must be a 128×128 block-FP8
+            checkpoint (``checkpoints_convert.megatron_to_hf --quantize fp8``) and the trainer
+            quantizes every push the same way (:mod:`megatron_p3o.weight_sync.fp8`); SGLang's
+            online quantization of a bf16 checkpoint would drop the weight loaders pushes need.
         kv_cache_dtype: "fp8_e4m3" or None (= model dtype); "fp8_e5m2" is refused (it forces the
             triton attention backend).
         mem_fraction_static: GPU memory fraction for weights + KV cache.
@@ -78,6 +82,8 @@ class LaunchSettings:
         routed_experts: ``(layers, top-k)`` of an MoE model under ``rollout.routing_replay: r3``:
             launch with ``--enable-return-routed-experts`` and decode each token's experts;
             set by the backend, GPU only.
+        memory_saver: ``--enable-memory-saver`` (set by the backend for
+            ``weight_sync: colocated``: without it /release_memory_occupation frees nothing).
         extra_args: more ``sglang.launch_server`` arguments.
         log_dir: where server logs and pid files go ("" = ``<run dir>/sglang``).
     """
@@ -97,6 +103,7 @@ class LaunchSettings:
     startup_timeout_s: float = 900.0
     deterministic: bool = False
     routed_experts: Optional[Tuple[int, int]] = None
+    memory_saver: bool = False
     extra_args: Tuple[str, ...] = field(default_factory=tuple)
     log_dir: str = ""
 
@@ -199,6 +206,8 @@ def server_args(cfg: LaunchSettings) -> List[str]:
         args += ["--enable-deterministic-inference"]
     if cfg.routed_experts:
         args += ["--enable-return-routed-experts"]
+    if cfg.memory_saver:
+        args += ["--enable-memory-saver"]
     return args + list(cfg.extra_args)
 
 
@@ -208,6 +217,7 @@ def launch_command(cfg: LaunchSettings, port: Optional[int] = None, python: str 
         raise SGLangSetupError(
             "rollout.sglang.model_path is required to launch a server (or set rollout.sglang.url)"
         )
+    check_served_checkpoint(cfg)
     return [
         python or resolve_python(cfg),
         "-m", "sglang.launch_server",
@@ -218,6 +228,26 @@ def launch_command(cfg: LaunchSettings, port: Optional[int] = None, python: str 
         "--skip-tokenizer-init",
         *server_args(cfg),
     ]  # fmt: skip
+
+
+def check_served_checkpoint(cfg: LaunchSettings) -> None:
+    """``quantization: fp8`` needs a block-FP8 checkpoint to serve (one line naming the file)."""
+    if cfg.quantization != "fp8":
+        return
+    from ...weight_sync.fp8 import is_fp8_block_config
+
+    path = Path(cfg.model_path) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SGLangSetupError(f"rollout.sglang.model_path: cannot read {path}: {e}") from None
+    if not is_fp8_block_config(hf):
+        raise SGLangSetupError(
+            f"rollout.sglang.quantization=fp8: {path} has no 128x128 block-FP8 "
+            "quantization_config; SGLang's online FP8 quantization of a bf16 checkpoint drops "
+            "the weight loaders, so every weight push would fail. Serve an FP8 checkpoint: "
+            "python -m checkpoints_convert.megatron_to_hf --ckpt CKPT --out DIR --quantize fp8"
+        )
 
 
 def router_command(

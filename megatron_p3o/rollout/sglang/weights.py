@@ -15,7 +15,8 @@ Two transports besides the disk (``/update_weights_from_disk``, see ``central``)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from pathlib import Path
+from typing import Literal, Optional, Sequence
 
 import torch
 
@@ -37,6 +38,49 @@ def resolve_backend(cfg: WeightSettings) -> str:
     if cfg.sync_backend != "auto":
         return cfg.sync_backend
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+_NCCL_PROBE = "import torch; print('.'.join(map(str, torch.cuda.nccl.version())))"
+
+
+def trainer_nccl_version() -> Optional[str]:
+    """The NCCL this process's torch uses (what an LD_PRELOAD put in its place, if any)."""
+    try:
+        return ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError):  # a CPU build of torch has no NCCL
+        return None
+
+
+def server_nccl_version(python: str, env: Optional[dict] = None) -> Optional[str]:
+    """The NCCL the SGLang environment's torch uses (``python``: its interpreter; no GPU
+    needed); None when it cannot say."""
+    import subprocess
+
+    try:
+        r = subprocess.run(
+            [python, "-c", _NCCL_PROBE], capture_output=True, text=True, env=env, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = r.stdout.strip().splitlines()
+    return out[-1] if r.returncode == 0 and out else None
+
+
+def check_nccl_versions(trainer: Optional[str], server: Optional[str], python: str) -> None:
+    """NCCL refuses a communicator whose ranks run different versions (at the first
+    broadcast, after the whole launch): refuse ``sync_backend: nccl`` up front."""
+    from .launch import SGLangSetupError
+
+    if trainer is None or server is None or trainer == server:
+        return
+    lib = Path(python).parent.parent / "lib"
+    raise SGLangSetupError(
+        f"weight_sync=distributed over NCCL: the trainer's NCCL is {trainer}, the SGLang "
+        f"environment's ({python}) is {server}; NCCL refuses a group of mixed versions. Use one "
+        "image for both, or LD_PRELOAD one libnccl.so.2 into both (e.g. "
+        f"{lib}/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2), or "
+        "rollout.weight_sync=disk"
+    )
 
 
 def weight_sync_group(

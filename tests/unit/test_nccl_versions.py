@@ -1,0 +1,67 @@
+"""Issue 24, item 2: the trainer and SGLang environments bring their own NCCL (SGLang 0.5.23's
+torch 2.14.1 brings nvidia-nccl-cu13), and NCCL refuses a communicator of mixed versions at
+the first broadcast. The launch reads both versions and refuses up front, before any server
+starts. The SGLang side is read from the real SGLang environment; its expected value comes
+from that environment's installed NCCL wheel metadata, not from our probe."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_p3o.errors import UserError
+from megatron_p3o.rollout.sglang.weights import check_nccl_versions, server_nccl_version
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sglang_python() -> str:
+    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
+    if not os.access(py, os.X_OK):
+        pytest.fail(f"no SGLang environment at {py} (bash tools/sglang_env.sh)", pytrace=False)
+    return py
+
+
+def test_sglang_environment_nccl_version_is_read_without_a_gpu():
+    py = _sglang_python()
+    meta = subprocess.run(
+        [py, "-c", "import importlib.metadata as m; print(m.version('nvidia-nccl-cu13'))"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert meta.returncode == 0, meta.stderr[-1000:]
+    wheel = meta.stdout.strip()  # e.g. 2.30.7 (the wheel may carry a 4th post component)
+    got = server_nccl_version(py)
+    assert got is not None and wheel.startswith(got), (got, wheel)
+    assert server_nccl_version("/nonexistent/python") is None
+
+
+def test_mismatched_nccl_is_refused_with_both_versions_and_remedies():
+    with pytest.raises(UserError) as e:
+        check_nccl_versions("2.27.3", "2.30.7", "/opt/sgl/bin/python")
+    msg = str(e.value)
+    assert "2.27.3" in msg and "2.30.7" in msg and "/opt/sgl/bin/python" in msg
+    assert "one image" in msg and "LD_PRELOAD" in msg and "weight_sync=disk" in msg
+    assert "\n" not in msg
+    check_nccl_versions("2.30.7", "2.30.7", "/x")  # equal: fine
+    check_nccl_versions(None, "2.30.7", "/x")  # a CPU trainer has none: gloo, not checked
+
+
+def test_launch_refuses_before_any_server_starts(monkeypatch, tmp_path):
+    from megatron_p3o.config import load_config
+    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.rollout import backend as backend_mod
+    from megatron_p3o.rollout.sglang import weights
+
+    started = []
+    monkeypatch.setattr(
+        "megatron_p3o.rollout.sglang.build_fleet", lambda *a, **k: started.append(a)
+    )
+    monkeypatch.setattr(weights, "trainer_nccl_version", lambda: "2.27.3")
+    monkeypatch.setenv("SGLANG_PYTHON", _sglang_python())
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/m",
+                             "rollout.sglang.device=cuda", "rollout.weight_sync=distributed",
+                             "rollout.sglang.sync_backend=nccl"])  # fmt: skip
+    with pytest.raises(UserError, match=r"trainer's NCCL is 2\.27\.3, the SGLang environment"):
+        backend_mod._central_engines(cfg.rollout, initialize(Layout()), {}, str(tmp_path))
+    assert not started
