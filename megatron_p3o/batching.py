@@ -12,7 +12,8 @@ Packed micro-batches (``batch.max_tokens_per_gpu``): each optimizer step's sampl
 balanced over DP ranks by tokens, then split into the fewest micro-batches that fit the token
 budget, as even as possible (:mod:`megatron_p3o.balance`). Each sequence is padded to a
 multiple of 2·cp (context parallelism cuts it into 2·cp chunks), each micro-batch to a multiple
-of cp·tp (sequence parallelism) and, under pipeline parallelism, to the step's longest
+of cp·tp (sequence parallelism) — times 16 under FP8 training (:func:`token_multiple`) — and,
+under pipeline parallelism, to the step's longest
 micro-batch (the stages exchange fixed-shape activations); that padding is one filler sequence
 at the end that nobody scores.
 """
@@ -60,6 +61,19 @@ class BatchConfig:
     def __post_init__(self):
         if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
             raise ValueError(f"batch.max_tokens_per_gpu={self.max_tokens_per_gpu} must be >= 1")
+
+
+# Transformer Engine's FP8 GEMMs need each rank's token rows divisible by 8 (16 for some
+# kernels): every micro-batch's tokens per rank (÷ cp, ÷ tp under sequence parallelism) pad to 16.
+FP8_ROWS = 16
+
+
+def token_multiple(layout, fp8: bool = False) -> int:
+    """What a packed micro-batch's token count must be a multiple of: 2·cp (CP chunks), cp·tp
+    under sequence parallelism (each rank's shard), and 16 rows per rank under FP8 training."""
+    align = 2 * layout.cp if layout.cp_enabled else 1
+    tp_sp = layout.tp if layout.sequence_parallel else 1
+    return math.lcm(align, layout.cp * tp_sp * (FP8_ROWS if fp8 else 1))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -251,6 +265,7 @@ class MicroBatcher:
         pad_id: int,
         equal_counts: bool = False,
         route_mode: Optional[str] = None,
+        fp8: bool = False,
     ):
         self.cfg, self.groups, self.seq_length, self.pad_id = cfg, groups, seq_length, pad_id
         self.route_mode = route_mode  # MoE: "r3" replays the engine's experts, "off" compares
@@ -258,8 +273,7 @@ class MicroBatcher:
         self.equal_shapes = lay.ep_enabled
         self.equal_counts = equal_counts or lay.ep_enabled
         self.align = 2 * lay.cp if lay.cp_enabled else 1
-        tp_sp = lay.tp if lay.sequence_parallel else 1
-        self.multiple = math.lcm(self.align, lay.cp * tp_sp)
+        self.multiple = token_multiple(lay, fp8)
 
     def token_cost(self, s: Sample) -> int:
         """Tokens a sample occupies in a packed micro-batch."""

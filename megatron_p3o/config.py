@@ -153,6 +153,7 @@ class TrainConfig:
                 lay.check_sequence(self.model.seq_length)
         except LayoutError as e:
             raise ConfigError(str(e)) from None
+        self._check_fp8_rows(lay)
         seqs = self.batch.prompts_per_rollout * self.rollout.n_samples
         packed = self.batch.max_tokens_per_gpu is not None
         per_step = lay.dp * (1 if packed else self.batch.micro_batch_size)
@@ -209,6 +210,23 @@ class TrainConfig:
             raise ConfigError(
                 f"reference.enabled=false, but loss.objective={self.loss.objective!r} with "
                 f"{dict(self.loss.hyper)} needs the reference model's log-probs"
+            )
+
+    def _check_fp8_rows(self, lay) -> None:
+        """FP8 training: padded micro-batches must give every rank a multiple of 16 token rows
+        (packed ones are padded to it, see batching.token_multiple)."""
+        from .batching import token_multiple
+
+        if not self.model.fp8 or self.batch.max_tokens_per_gpu is not None:
+            return
+        rows = self.batch.micro_batch_size * self.model.seq_length
+        need = token_multiple(lay, fp8=True)
+        if rows % need:
+            raise ConfigError(
+                f"model.fp8={self.model.fp8}: micro_batch_size × seq_length = "
+                f"{self.batch.micro_batch_size} × {self.model.seq_length} = {rows} tokens is not "
+                f"a multiple of {need} (16 FP8 rows per rank × cp × tp under sequence "
+                "parallelism); change seq_length, or pack (batch.max_tokens_per_gpu)"
             )
 
     def _check_sglang(self, world_size: int) -> None:

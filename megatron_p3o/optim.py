@@ -98,10 +98,33 @@ def build_optimizer(
     ddp_chunks: Sequence[torch.nn.Module], groups: ParallelGroups, cfg: OptimConfig
 ):
     """Megatron's optimizer (Adam/AdamW, fp32 main params, optional DP-sharded state)."""
+    return mcore_compat.megatron_optimizer(
+        optimizer_config(cfg, ddp_chunks[0].config.params_dtype),
+        list(ddp_chunks),
+        groups.pg_collection,
+    )
+
+
+def optimizer_config(cfg: OptimConfig, params_dtype: torch.dtype):
+    """Megatron's ``OptimizerConfig`` for ``cfg``. Every field goes to the constructor:
+    ``__post_init__`` derives others from them (``use_precision_aware_optimizer`` → the
+    ``…_no_impact`` flag, main-param/grad dtypes), so a field set afterwards stays underived."""
     from megatron.core.optimizer import OptimizerConfig
 
-    params_dtype = ddp_chunks[0].config.params_dtype
-    ocfg = OptimizerConfig(
+    kwargs = {}
+    if cfg.moments_dtype != "float32":
+        from .errors import UserError
+
+        if not (torch.cuda.is_available() and mcore_compat.have_transformer_engine()):
+            raise UserError(
+                f"optim.moments_dtype={cfg.moments_dtype}: Megatron's precision-aware optimizer "
+                "needs Transformer Engine's FusedAdam on GPUs; use float32 here"
+            )
+        moments = getattr(torch, cfg.moments_dtype)
+        kwargs = dict(
+            use_precision_aware_optimizer=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments
+        )
+    return OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
         min_lr=cfg.min_lr,
@@ -114,18 +137,8 @@ def build_optimizer(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         params_dtype=params_dtype,
+        **kwargs,
     )
-    if cfg.moments_dtype != "float32":
-        from .errors import UserError
-
-        if not (torch.cuda.is_available() and mcore_compat.have_transformer_engine()):
-            raise UserError(
-                f"optim.moments_dtype={cfg.moments_dtype}: Megatron's precision-aware optimizer "
-                "needs Transformer Engine's FusedAdam on GPUs; use float32 here"
-            )
-        ocfg.use_precision_aware_optimizer = True
-        ocfg.exp_avg_dtype = ocfg.exp_avg_sq_dtype = getattr(torch, cfg.moments_dtype)
-    return mcore_compat.megatron_optimizer(ocfg, list(ddp_chunks), groups.pg_collection)
 
 
 def zero_grads(ddp_chunks: Sequence[torch.nn.Module], optimizer=None) -> None:

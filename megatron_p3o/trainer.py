@@ -82,6 +82,7 @@ class Trainer:
             cfg.batch, groups, cfg.model.seq_length, self.tok.pad_token_id or 0,
             equal_counts=self.objective.needs_ess and cfg.loss.ess_scope == "microbatch",
             route_mode=cfg.rollout.routing_replay if self.desc.is_moe else None,
+            fp8=bool(cfg.model.fp8),
         )  # fmt: skip
         d = cfg.data
         self.data = PromptData(

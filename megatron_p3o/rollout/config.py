@@ -47,7 +47,7 @@ class RolloutConfig:
         directory every server reads; a relaunched server reloads it).
     weight_sync_dir: shared directory for the "disk" mode.
     weight_sync_port: TCP port on trainer rank 0 for the "distributed" weight-update rendezvous
-        (worker i uses weight_sync_port + i).
+        (one group for every server).
     sglang_workers: URLs of the SGLang servers behind ``sglang.url`` when it is a router;
         weights are pushed to each of them (empty: ``sglang.url`` is the one server).
     routing_replay: mixture-of-experts models: "r3" makes the trainer's forwards (ℓold

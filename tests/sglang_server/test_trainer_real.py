@@ -130,14 +130,18 @@ def test_a_server_killed_mid_run_is_relaunched_and_reloaded(base, reap):
 
 def test_two_servers_behind_the_router_with_a_tp2_pp2_trainer(base, reap):
     """servers: 2 with sglang-router 0.3.2 in front; a TP=2 × PP=2 trainer pushes its weights
-    to both servers over gloo groups after every step; the router spreads the requests, and
-    every DP leader's prompts reach the servers exactly once."""
+    to both servers over one gloo group spanning both (world 3: trainer rank 0, server 0 as
+    rank 1, server 1 as rank 2; each bucket broadcast once) after every step; the router spreads
+    the requests, and every DP leader's prompts reach the servers exactly once."""
     held = reap / "heldout_small.jsonl"
     held.write_text("".join((base / "heldout.jsonl").read_text().splitlines(True)[:16]))
     m, _ = _train(base, reap, "router", "parallel.tp=2", "parallel.pp=2",
                   "rollout.sglang.servers=2", f"data.eval_path={held}", nproc=4,
                   steps=2)  # fmt: skip
     logs = [(reap / "router" / "sglang" / f"server{i}.log").read_text() for i in (0, 1)]
+    for i, x in enumerate(logs):  # the servers' own record of the group they joined
+        joins = re.findall(r"init custom process group: .*rank=(\d+), world_size=(\d+)", x)
+        assert joins == [(str(i + 1), "3")], joins
     # after start-up (each server warms itself up with one /generate of its own)
     logs = [x.split("The server is fired up", 1)[1] for x in logs]
     gens = [x.count('"POST /generate HTTP/1.1" 200') for x in logs]

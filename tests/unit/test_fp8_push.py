@@ -274,3 +274,5 @@ def test_fp8_serving_refuses_a_bf16_checkpoint_and_gloo(tmp_path):
         json.dumps({"model_type": "llama", "quantization_config": quantization_config()})
     )
     assert "--quantization" in launch_command(cfg, python="/bin/true")
+    with pytest.raises(UserError, match="is a block-FP8 checkpoint"):  # and unquantized pushes
+        launch_command(SGLangConfig(model_path=str(tmp_path), device="cuda"), python="/bin/true")

@@ -23,7 +23,10 @@ def _run(tmp_path, recipe, nodes, healthy=True):
         "srun": '#!/bin/sh\ncvd=$(echo "$*" | '
         "sed -n 's/.* env CUDA_VISIBLE_DEVICES=\\([0-9,]*\\) .*/\\1/p')\n"
         f'echo "$cvd|$*" >> {log}\n',
-        "curl": f'#!/bin/sh\necho "$*" >> {tmp_path / "curl.log"}\nexit {0 if healthy else 7}\n',
+        # records its arguments and the header files it was given (-H @file)
+        "curl": f'#!/bin/sh\necho "$*" >> {tmp_path / "curl.log"}\n'
+        f'for a in "$@"; do case $a in @*) cat "${{a#@}}" >> {tmp_path / "curl.hdr"};; esac; done\n'
+        f"exit {0 if healthy else 7}\n",
     }
     for name, text in fakes.items():
         (bin_ / name).write_text(text)
@@ -40,6 +43,8 @@ def _run(tmp_path, recipe, nodes, healthy=True):
     # from a scratch directory (with the recipes' relative paths valid there): nothing may be
     # written into the repository
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    for m in ("Qwen3-8B-fp8", "Qwen3-32B-fp8", "Llama-3.1-70B-fp8"):  # present: no conversion
+        (tmp_path / "hf" / m).mkdir(parents=True)
     r = subprocess.run(
         ["bash", str(ROOT / "tools/slurm/p3o.sbatch"), recipe],
         cwd=tmp_path,
@@ -54,7 +59,7 @@ def _run(tmp_path, recipe, nodes, healthy=True):
     for _ in range(100):  # servers and router are launched in the background (&): let them log
         lines = log.read_text().splitlines()
         if any("torch.distributed.run" in x for x in lines) and (
-            nodes == 1 or any("sglang_router" in x for x in lines)
+            nodes == 1 or any("sglang.serve router" in x for x in lines)
         ):
             break
         time.sleep(0.1)
@@ -64,33 +69,28 @@ def _run(tmp_path, recipe, nodes, healthy=True):
 def test_multi_node_placement(tmp_path, monkeypatch):
     monkeypatch.delenv("P3O_SGLANG_API_KEY", raising=False)
     calls = _run(tmp_path, "recipes/qwen3_32b_h100x32.yaml", nodes=4)
-    # one secret for the job: every server and the router require it, health checks send it,
-    # and the trainer gets it from the environment only (not on its command line)
-    keys = {c[1].split("--api-key ")[1].split()[0] for c in calls if "--api-key" in c[1]}
-    assert len(keys) == 1 and len(next(iter(keys))) == 48, keys
-    key = next(iter(keys))
-    launched = [c for c in calls if "launch_server" in c[1] or "sglang_router" in c[1]]
-    assert launched and all(f"--api-key {key}" in c[1] for c in launched)
-    assert all(key not in c[1] for c in calls if "torch.distributed.run" in c[1])
-    health = (tmp_path / "curl.log").read_text().splitlines()
-    assert health and all(f"Authorization: Bearer {key}" in h for h in health)
+    # one secret for the job, made by the script: the health checks send it from a header file;
+    # it is on no command line (servers and router get it through serve.py, the trainer from
+    # the environment)
+    headers = set((tmp_path / "curl.hdr").read_text().splitlines())
+    assert len(headers) == 1 and next(iter(headers)).startswith("Authorization: Bearer ")
+    key = next(iter(headers)).split()[-1]
+    assert len(key) == 48
+    assert all(key not in c[1] and "--api-key" not in c[1] for c in calls)
+    assert key not in (tmp_path / "curl.log").read_text()
     import yaml
 
     run = yaml.safe_load((ROOT / "recipes/qwen3_32b_h100x32.yaml").read_text())["run"]
     logs = tmp_path / run.get("dir", "runs") / run["name"] / "logs"
     assert logs.is_dir(), "server logs belong under the run directory"
     assert not list(tmp_path.glob("sglang-*.log")) and not list(tmp_path.glob("router-*.log"))
-    servers = [c for c in calls if "sglang.launch_server" in c[1]]
+    servers = [c for c in calls if "sglang.serve server" in c[1]]
     train = [c for c in calls if "torch.distributed.run" in c[1]]
-    router = [c for c in calls if "sglang_router" in c[1]]
+    router = [c for c in calls if "sglang.serve router" in c[1]]
     assert len(servers) == 4 and {c[0] for c in servers} == {"0,1,2,3", "4,5,6,7"}
     assert sorted(c[1].split("-w ")[1].split()[0] for c in servers) == ["n3", "n3", "n4", "n4"]
-    assert all(
-        "--tp-size 4" in c[1]
-        and "--quantization fp8" in c[1]
-        and "--kv-cache-dtype fp8_e4m3" in c[1]
-        for c in servers
-    )
+    assert all("recipes/qwen3_32b_h100x32.yaml --port 3000" in c[1] for c in servers)
+    assert all(f"--log {run.get('dir', 'runs')}/{run['name']}/logs/" in c[1] for c in servers)
     assert len(router) == 1 and len(train) == 1
     t = train[0][1]
     assert (
@@ -108,11 +108,11 @@ def test_multi_node_placement(tmp_path, monkeypatch):
 
 def test_single_node_shares_gpus(tmp_path):
     calls = _run(tmp_path, "recipes/qwen3_8b_h100x8.yaml", nodes=1)
-    servers = [c for c in calls if "sglang.launch_server" in c[1]]
+    servers = [c for c in calls if "sglang.serve server" in c[1]]
     train = [c for c in calls if "torch.distributed.run" in c[1]]
     assert sorted(c[0] for c in servers) == ["4", "5", "6", "7"]  # training has GPUs 0-3
     assert train[0][0] == "0,1,2,3" and "--nproc-per-node 4" in train[0][1]
-    assert not [c for c in calls if "sglang_router" in c[1]] or len(servers) > 1
+    assert not [c for c in calls if "sglang.serve router" in c[1]] or len(servers) > 1
 
 
 def test_too_few_nodes_is_refused(tmp_path):
@@ -126,3 +126,54 @@ def test_a_server_that_never_comes_up_stops_the_job(tmp_path):
     instead of waiting forever."""
     with pytest.raises(AssertionError, match="launcher exited before it became healthy"):
         _run(tmp_path, "recipes/qwen3_8b_h100x8.yaml", nodes=1, healthy=False)
+
+
+_FAKE_SGLANG = r"""#!/usr/bin/env python3
+# stands in for the SGLang environment's python: records argv, environment and --config file,
+# prints what SGLang prints (server_args with the key), exits
+import json, os, sys
+rec = {"argv": sys.argv, "env_key": os.environ.get("P3O_SGLANG_API_KEY")}
+if "--config" in sys.argv:
+    rec["config"] = open(sys.argv[sys.argv.index("--config") + 1]).read()
+open(os.environ["FAKE_RECORD"], "a").write(json.dumps(rec) + "\n")
+print("server_args=ServerArgs(api_key='%s', ...)" % (rec["env_key"] or ""), flush=True)
+"""
+
+
+def test_serve_keeps_the_key_out_of_argv_and_logs(tmp_path):
+    """serve.py (what the batch script runs on the rollout nodes) launches the recipe's server
+    and router with the trainer's own command and process handling: the key reaches the server
+    in its --config file and the router through its environment, is on neither command line,
+    and the log files carry it redacted; the server gets the recipe's FP8 serving flags."""
+    import json
+
+    from megatron_p3o.weight_sync.fp8 import quantization_config
+
+    fake = tmp_path / "python"
+    fake.write_text(_FAKE_SGLANG)
+    fake.chmod(stat.S_IRWXU)
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": quantization_config()}))
+    key = "k" * 48
+    env = {**os.environ, "SGLANG_PYTHON": str(fake), "P3O_SGLANG_API_KEY": key,
+           "FAKE_RECORD": str(tmp_path / "rec.jsonl"), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    base = [sys.executable, "-m", "megatron_p3o.rollout.sglang.serve"]
+    recipe = str(ROOT / "recipes/qwen3_32b_h100x32.yaml")
+    for what, extra in (("server", []), ("router", ["--workers", "http://n3:30000"])):
+        r = subprocess.run(
+            base + [what, recipe, "--port", "30001", "--log", str(tmp_path / f"{what}.log"),
+                    "--set", f"rollout.sglang.model_path={fp8}", *extra],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        log = (tmp_path / f"{what}.log").read_text()
+        assert "server_args=" in log and key not in log and "<redacted>" in log.lower()
+    server, router = [json.loads(x) for x in (tmp_path / "rec.jsonl").read_text().splitlines()]
+    for rec in (server, router):
+        assert not [a for a in rec["argv"] if key in a] and "--api-key" not in rec["argv"]
+    assert key in server["config"]
+    argv = " ".join(server["argv"])
+    assert "--quantization fp8" in argv and "--kv-cache-dtype fp8_e4m3" in argv
+    assert f"--model-path {fp8}" in argv and "--tp-size 4" in argv and "--port 30001" in argv
+    assert router["env_key"] == key and "--worker-urls http://n3:30000" in " ".join(router["argv"])

@@ -1,15 +1,14 @@
 """Shell variables for tools/slurm/p3o.sbatch from a recipe (after its --set overrides):
-WORLD (training GPUs), SGL_TP (SGLang tensor parallel size), MODEL_HF (the HF directory next to
-the converted checkpoint, which the SGLang servers load), SGL_ARGS (shared server arguments) and
-RUN_DIR (the run directory; the script writes its server logs under RUN_DIR/logs)."""
+WORLD (training GPUs), SGL_TP (SGLang tensor parallel size), MODEL_HF (the HF directory the
+SGLang servers load), SGL_FP8 (1: FP8 serving, MODEL_HF must be a block-FP8 checkpoint), CKPT
+(the trainer's checkpoint, from which the script makes that FP8 checkpoint when it is missing)
+and RUN_DIR (the run directory; the script writes its server logs under RUN_DIR/logs)."""
 
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from megatron_p3o.config import load_config
-from megatron_p3o.rollout.sglang.launch import server_args
 
 
 def main(argv):
@@ -23,10 +22,8 @@ def main(argv):
     print(f"WORLD={c.parallel.world_size}")
     print(f"SGL_TP={c.rollout.sglang.tp_size}")
     print(f"MODEL_HF={shlex.quote(c.rollout.sglang.model_path or c.model.checkpoint + '/hf')}")
-    sg = c.rollout.sglang
-    if sg.device == "auto":  # the script serves on the job's GPUs, wherever this runs
-        sg = replace(sg, device="cuda")
-    print(f"SGL_ARGS={shlex.quote(' '.join(server_args(sg)))}")
+    print(f"SGL_FP8={int(c.rollout.sglang.quantization == 'fp8')}")
+    print(f"CKPT={shlex.quote(c.model.checkpoint)}")
     print(f"RUN_DIR={shlex.quote(str(Path(c.run.dir) / c.run.name))}")
 
 

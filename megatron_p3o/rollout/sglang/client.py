@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ...types import Sample, SamplingParams
-from ..engine import Bucket, RolloutEngine
+from ..engine import RolloutEngine
 from .launch import (
     API_KEY_ENV,
     ServerProcess,
@@ -41,13 +41,12 @@ from .protocol import (
     EngineResponseError,
     EngineUnavailableError,
     disk_payload,
-    distributed_payload,
     generate_payload,
     init_group_payload,
     parse_generate_response,
     tensor_payload,
 )
-from .weights import broadcast, resolve_backend, weight_sync_group
+from .weights import resolve_backend
 
 _NET_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 
@@ -87,7 +86,7 @@ class SGLangEngine(RolloutEngine):
         self.concurrency = cfg.max_concurrency
         self.restarts = 0
         self.weight_version = 0
-        self._group = None  # (process group, name, backend) for update_weights_from_distributed
+        self._group = None  # the weight-update group this server joined (its name)
         self._last_disk: Optional[Tuple[str, int]] = None  # (path, version) of the last disk push
         self._lock = threading.Lock()  # one recovery at a time
         self._epoch = 0  # bumped by each recovery: requests that failed before it just retry
@@ -308,37 +307,23 @@ class SGLangEngine(RolloutEngine):
         self.weight_version = version
         self._last_disk = (model_path, version)
 
-    def init_weight_update_group(
-        self, master_address: str, master_port: int, group_name: str = "p3o_weight_sync"
+    def join_weight_group(
+        self, master_address: str, master_port: int, world: int, rank_offset: int, name: str
     ) -> None:
-        """A group {trainer rank 0} ∪ {server ranks} for broadcasting weights (nccl or gloo)."""
-        world = 1 + self.cfg.tp_size
-        backend = resolve_backend(self.cfg)
-        body = init_group_payload(master_address, master_port, world, group_name, backend)
-        with ThreadPoolExecutor(1) as pool:  # both sides must join the rendezvous together
-            fut = pool.submit(self._post_checked, "/init_weights_update_group", body)
-            pg = weight_sync_group(master_address, master_port, world, group_name, backend)
-            fut.result()
-        self._group = (pg, group_name, backend)
+        """Ask the server to join the weight-update group ``name`` as ranks ``rank_offset`` …
+        ``rank_offset + tp_size − 1`` (blocks until every member joined: call it concurrently
+        with the trainer's end, :func:`.weights.weight_sync_group`)."""
+        body = init_group_payload(
+            master_address, master_port, world, name, resolve_backend(self.cfg), rank_offset
+        )
+        self._post_checked("/init_weights_update_group", body)
+        self._group = name
 
     def update_weights(self, buckets, version: int) -> None:
         """One weight-update session over the process group (a fleet of one server)."""
         from .fleet import SGLangFleet
 
         SGLangFleet(self, [self]).update_weights(buckets, version)
-
-    def push_bucket(self, bucket: Bucket, version: int, last: bool) -> None:
-        """One bucket inside a session: the server receives it while rank 0 broadcasts it."""
-        if self._group is None:
-            raise RuntimeError(
-                "push_bucket needs init_weight_update_group first (or use update_weights_from_disk)"
-            )
-        pg, name, backend = self._group
-        body = distributed_payload(bucket, name, version, last)
-        with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(self._post_checked, "/update_weights_from_distributed", body)
-            broadcast(pg, [t for _, t in bucket], backend)
-            fut.result()
 
     def push_tensors(self, payloads: Sequence[str], version: int, last: bool) -> None:
         """One bucket as serialized tensors inside a session: payload r for server TP rank r."""

@@ -1,6 +1,7 @@
 """Several SGLang servers as one engine: generation through one URL (an sglang-router in front
-of them, or the single server), weight pushes sent to every server directly (slime's
-arrangement: the router balances requests; each server keeps its own weight-update group).
+of them, or the single server), weight pushes sent to the servers directly (slime's
+arrangement: the router balances requests; one weight-update group spans every server, so each
+bucket is broadcast once for the fleet).
 
 The fleet is either attached (``rollout.sglang.url``, with ``rollout.sglang_workers`` naming the
 servers behind a router) or launched (``rollout.sglang.servers`` servers on consecutive ports,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +25,8 @@ from ..engine import Bucket, RolloutEngine
 from .client import SGLangEngine
 from .launch import API_KEY_ENV, ServerProcess, free_port, resolve_python, router_command
 from .launch import server_env as launch_env
-from .protocol import with_last
+from .protocol import distributed_payload, with_last
+from .weights import broadcast, resolve_backend, weight_sync_group
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class SGLangFleet(RolloutEngine):
         self.router, self.workers, self.transport = router, list(workers), transport
         self.router_process = router_process
         self.weight_version = 0
+        self._group = None  # (process group, name, backend) spanning every server
         if router_process is not None:
             router.process = router_process
             router.concurrency = sum(w.concurrency for w in self.workers)
@@ -117,28 +121,59 @@ class SGLangFleet(RolloutEngine):
     ) -> List[Sample]:
         return self.router.generate(prompts, n, sampling)
 
-    def init_weight_update_groups(self, master_address: str, first_port: int) -> None:
-        """One group per server ({trainer rank 0} ∪ that server's ranks), on consecutive ports."""
-        for i, w in enumerate(self.workers):
-            w.init_weight_update_group(
-                master_address, first_port + i, group_name=f"p3o_weight_sync_{i}"
-            )
+    def init_weight_update_groups(self, master_address: str, port: int) -> None:
+        """One group spanning every server: {trainer rank 0} ∪ server 0's ranks ∪ server 1's …
+        (world 1 + Σ tp_size), so each bucket is broadcast once for the whole fleet. Every
+        server's join and the trainer's are one rendezvous: they run concurrently."""
+        world = 1 + sum(w.cfg.tp_size for w in self.workers)
+        offsets = [
+            1 + sum(w.cfg.tp_size for w in self.workers[:i]) for i in range(len(self.workers))
+        ]
+        backend = resolve_backend(self.workers[0].cfg)
+        name = "p3o_weight_sync"
+        with ThreadPoolExecutor(len(self.workers)) as pool:
+            futs = [
+                pool.submit(w.join_weight_group, master_address, port, world, off, name)
+                for w, off in zip(self.workers, offsets)
+            ]
+            pg = weight_sync_group(master_address, port, world, name, backend)
+            for f in futs:
+                f.result()
+        self._group = (pg, name, backend)
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Every server pauses and opens a session; each bucket (streamed once from the
-        trainer, serialized once for tensor pushes) goes to every server in turn; then every
-        server closes and resumes."""
+        trainer) is broadcast once over the fleet's group while every server announces it, or
+        serialized once and posted to each server for tensor pushes; then every server closes
+        and resumes."""
         with self.sessions():
             for bucket, last in with_last(buckets):
-                payload = serialize_named_tensors(bucket) if self.transport == "tensor" else None
-                for w in self.workers:
-                    if payload is None:
-                        w.push_bucket(bucket, version, last)
-                    else:
+                if self.transport == "tensor":
+                    payload = serialize_named_tensors(bucket)
+                    for w in self.workers:
                         w.push_tensors([payload] * w.cfg.tp_size, version, last)
+                else:
+                    self._broadcast_bucket(bucket, version, last)
         for w in self.workers:
             w.weight_version = version
         self.weight_version = version
+
+    def _broadcast_bucket(self, bucket: Bucket, version: int, last: bool) -> None:
+        if self._group is None or any(w._group is None for w in self.workers):
+            raise RuntimeError(
+                "a distributed push needs init_weight_update_groups first (a relaunched server "
+                "left the group; or use update_weights_from_disk)"
+            )
+        pg, name, backend = self._group
+        body = distributed_payload(bucket, name, version, last)
+        with ThreadPoolExecutor(len(self.workers)) as pool:
+            futs = [
+                pool.submit(w._post_checked, "/update_weights_from_distributed", body)
+                for w in self.workers
+            ]
+            broadcast(pg, [t for _, t in bucket], backend)
+            for f in futs:
+                f.result()
 
     @contextmanager
     def sessions(self):
@@ -182,7 +217,7 @@ def build_fleet(cfg, worker_urls: Sequence[str], log_dir, transport: str) -> SGL
     port = cfg.router_port or free_port(cfg.host)
     key = os.environ.get(API_KEY_ENV)
     proc = ServerProcess(
-        router_command(resolve_python(cfg), cfg.host, port, [s.url for s in servers], key),
+        router_command(resolve_python(cfg), cfg.host, port, [s.url for s in servers]),
         launch_env(),
         log_dir / "router.log",
         secrets=[key] if key else [],

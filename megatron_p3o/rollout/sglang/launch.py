@@ -231,16 +231,25 @@ def launch_command(cfg: LaunchSettings, port: Optional[int] = None, python: str 
 
 
 def check_served_checkpoint(cfg: LaunchSettings) -> None:
-    """``quantization: fp8`` needs a block-FP8 checkpoint to serve (one line naming the file)."""
-    if cfg.quantization != "fp8":
-        return
+    """``quantization: fp8`` needs a block-FP8 checkpoint to serve, and a block-FP8 checkpoint
+    needs ``quantization: fp8`` (its pushes must be quantized): one line naming the file."""
     from ...weight_sync.fp8 import is_fp8_block_config
 
     path = Path(cfg.model_path) / "config.json"
     try:
         hf = json.loads(path.read_text())
     except (OSError, ValueError) as e:
+        if cfg.quantization != "fp8":
+            return  # the server says what is wrong with it
         raise SGLangSetupError(f"rollout.sglang.model_path: cannot read {path}: {e}") from None
+    if cfg.quantization != "fp8":
+        if is_fp8_block_config(hf):
+            raise SGLangSetupError(
+                f"rollout.sglang.model_path: {path} is a block-FP8 checkpoint; set "
+                "rollout.sglang.quantization=fp8 (the trainer then quantizes its pushes) or "
+                "serve an unquantized one"
+            )
+        return
     if not is_fp8_block_config(hf):
         raise SGLangSetupError(
             f"rollout.sglang.quantization=fp8: {path} has no 128x128 block-FP8 "
@@ -250,16 +259,27 @@ def check_served_checkpoint(cfg: LaunchSettings) -> None:
         )
 
 
+# sglang-router 0.3.2 takes its key from argv only (where ``ps`` shows it to every user of the
+# node); this launcher parses the same arguments with the router's own parser and sets the key
+# from the environment (readable by the job's user only), then starts the router as its CLI does.
+_ROUTER_LAUNCHER = (
+    "import os, sys\n"
+    "from sglang_router.launch_router import launch_router, parse_router_args\n"
+    "args = parse_router_args(sys.argv[1:])\n"
+    f"args.api_key = os.environ.pop({API_KEY_ENV!r}, None) or None\n"
+    "launch_router(args)\n"
+)
+
+
 def router_command(
-    python: str, host: str, port: int, workers: Sequence[str], api_key: Optional[str]
+    python: str, host: str, port: int, workers: Sequence[str], prometheus_port: int = 0
 ) -> List[str]:
-    """``python -m sglang_router.launch_router`` in front of ``workers`` (sglang-router 0.3.2
-    reads its key from argv only; it enforces it on /generate)."""
-    cmd = [
-        python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-        "--worker-urls", *workers, "--prometheus-port", str(free_port(host)),
+    """sglang-router in front of ``workers``; its API key (enforced on /generate) comes from
+    ``$P3O_SGLANG_API_KEY`` in its environment, never from argv."""
+    return [
+        python, "-c", _ROUTER_LAUNCHER, "--host", host, "--port", str(port),
+        "--worker-urls", *workers, "--prometheus-port", str(prometheus_port or free_port(host)),
     ]  # fmt: skip
-    return cmd + (["--api-key", api_key] if api_key else [])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

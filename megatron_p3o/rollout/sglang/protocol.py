@@ -200,14 +200,20 @@ def disk_payload(model_path: str, version: int) -> dict:
 
 
 def init_group_payload(
-    master_address: str, master_port: int, world: int, group_name: str, backend: str = "nccl"
+    master_address: str,
+    master_port: int,
+    world: int,
+    group_name: str,
+    backend: str = "nccl",
+    rank_offset: int = 1,
 ) -> dict:
-    """``/init_weights_update_group``: server ranks join as 1…tp_size (trainer rank 0);
-    ``backend`` "nccl" (GPU servers) or "gloo" (CPU servers, or NCCL versions that differ)."""
+    """``/init_weights_update_group``: the server's ranks join as ``rank_offset`` …
+    ``rank_offset + tp_size − 1`` (trainer rank 0; server i of a fleet after servers 0…i−1);
+    ``backend`` "nccl" (GPU servers) or "gloo" (CPU servers)."""
     return {
         "master_address": master_address,
         "master_port": master_port,
-        "rank_offset": 1,
+        "rank_offset": rank_offset,
         "world_size": world,
         "group_name": group_name,
         "backend": backend,

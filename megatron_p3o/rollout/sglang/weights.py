@@ -2,11 +2,12 @@
 
 Two transports besides the disk (``/update_weights_from_disk``, see ``central``):
 
-- **distributed**: ``/init_weights_update_group`` makes a group {trainer rank 0} ∪ {server
-  ranks}; each bucket is announced by ``/update_weights_from_distributed`` (names, dtypes,
-  shapes) while rank 0 broadcasts its tensors. The group's backend is a setting: ``nccl`` on
-  GPUs, ``gloo`` for CPU servers (NCCL refuses CPU tensors) and as a cluster fallback when the
-  two environments' NCCL versions differ. Under gloo no tensor is moved to a GPU.
+- **distributed**: ``/init_weights_update_group`` makes one group {trainer rank 0} ∪ {every
+  server's ranks}; each bucket is announced to every server by
+  ``/update_weights_from_distributed`` (names, dtypes, shapes) while rank 0 broadcasts its
+  tensors once. The group's backend is a setting: ``nccl`` on GPUs, ``gloo`` for CPU servers
+  (NCCL refuses CPU tensors; it also cannot carry float8). Under gloo no tensor is moved to a
+  GPU.
 - **tensor**: ``/update_weights_from_tensor`` with one payload per server TP rank, made by
   :func:`megatron_p3o.weight_sync.ipc.serialize_named_tensors` (CUDA-IPC handles for CUDA
   tensors, plain pickled data for CPU tensors: a CPU server killed itself on the IPC format).
