@@ -5,7 +5,7 @@
 # CPU against SGLang's pinned source (tests/unit/test_sglang_protocol.py).
 #
 #   here:   bash tools/gpu_wheels.sh        # .whl/: megatron-core 0.16.1 cp312, datasets (+2 deps)
-#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 8 min (step timeouts sum to 460 s); 6 files in
+#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 580 s); 7 files in
 #                                           # OUTDIR, to commit under docs/gpu/
 #
 # 1. the tiny base model, then the converter's checkpoint against transformers, logits on the GPU
@@ -14,8 +14,10 @@
 # 3. vocab_parallel_logprobs vs Megatron's vocab_parallel_cross_entropy, T=8192, V=151936, bf16:
 #    time and peak-memory ratios, HBM bandwidth fraction (logprob.json)
 # 4. a ~1B Llama-style model, forward + backward, bf16: tokens/s and MFU vs 790 TFLOP/s (mfu.json)
+# 5. round 3 without TE/SGLang: the block-FP8 push quantizer on the device (bitwise = CPU), the
+#    FP8 packing rule per recipe, host syncs in one micro-batch under CUDA (round3.json)
 # Files: env.txt, summary.txt (each step's exit status and RESULT line), log.txt (everything),
-# metrics.jsonl, logprob.json, mfu.json.
+# metrics.jsonl, logprob.json, mfu.json, round3.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tools/gpu_check.sh OUTDIR}
@@ -61,6 +63,7 @@ step train 150 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
 cp "$W/runs/gpu/metrics.jsonl" "$OUT/metrics.jsonl" 2> /dev/null
 step logprob 60 $PY benchmarks/bench_gpu.py logprob --device "$DEV" --out "$OUT" $BENCH_ARGS
 step mfu 90 $PY benchmarks/bench_gpu.py mfu --device "$DEV" --out "$OUT" $BENCH_ARGS
+step round3 120 $PY tools/gpu_round3.py --device "$DEV" --out "$OUT"
 echo "gpu_check: $( ((status == 0)) && echo all steps passed || echo some steps FAILED)" \
   | tee -a "$OUT/summary.txt"
 exit $status

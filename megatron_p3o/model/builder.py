@@ -136,7 +136,9 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        # TE's fused RoPE (THD included); Megatron's unfused THD path loops over sequences on
+        # the host (≈ 4 device→host syncs per layer per forward). The local spec has no kernel.
+        apply_rope_fusion=use_te,
         gradient_accumulation_fusion=False,
         # We normalize by the global token count ourselves (see loss/); Megatron must only sum.
         calculate_per_token_loss=True,

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(tmp_path, recipe, nodes, healthy=True):
+def _run(tmp_path, recipe, nodes, healthy=True, env=None):
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     log = tmp_path / "srun.log"
@@ -37,8 +37,10 @@ def _run(tmp_path, recipe, nodes, healthy=True):
         "SLURM_JOB_NODELIST": "x",
         "SLURM_JOB_ID": "7",
         "PYTHON": sys.executable,
+        "SGLANG_PYTHON": "/bin/true",  # the servers' interpreter (serve.py runs it; srun is fake)
         "PYTHONPATH": str(ROOT),
         "PYTHONWARNINGS": "ignore",
+        **(env or {}),
     }
     # from a scratch directory (with the recipes' relative paths valid there): nothing may be
     # written into the repository
@@ -113,6 +115,15 @@ def test_single_node_shares_gpus(tmp_path):
     assert sorted(c[0] for c in servers) == ["4", "5", "6", "7"]  # training has GPUs 0-3
     assert train[0][0] == "0,1,2,3" and "--nproc-per-node 4" in train[0][1]
     assert not [c for c in calls if "sglang.serve router" in c[1]] or len(servers) > 1
+
+
+def test_a_missing_sglang_interpreter_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Issue 24, item 3: the servers run with SGLang's own interpreter (rollout.sglang.python or
+    $SGLANG_PYTHON), never the trainer's; without one the script stops before launching."""
+    monkeypatch.setenv("SGLANG_PYTHON", "")
+    with pytest.raises(AssertionError, match="needs its environment's interpreter"):
+        _run(tmp_path, "recipes/qwen3_8b_h100x8.yaml", nodes=1, env={"SGLANG_PYTHON": ""})
+    assert not (tmp_path / "srun.log").exists()
 
 
 def test_too_few_nodes_is_refused(tmp_path):

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from megatron_p3o.config import load_config
+from megatron_p3o.errors import UserError
+from megatron_p3o.rollout.sglang.launch import resolve_python
 
 
 def main(argv):
@@ -19,6 +21,10 @@ def main(argv):
         sys.exit(
             f"{recipe}: set parallel.world_size (the training GPU count) for the cluster script"
         )
+    try:  # the servers run with SGLang's own interpreter: fail here, not on the rollout nodes
+        resolve_python(c.rollout.sglang)
+    except UserError as e:
+        sys.exit(f"{recipe}: {e}")
     print(f"WORLD={c.parallel.world_size}")
     print(f"SGL_TP={c.rollout.sglang.tp_size}")
     print(f"MODEL_HF={shlex.quote(c.rollout.sglang.model_path or c.model.checkpoint + '/hf')}")
