@@ -29,17 +29,28 @@ def have_transformer_engine() -> bool:
 
 def layer_spec(*, use_te: bool, qk_norm: bool, num_experts=None):
     """The GPT decoder layer spec: Transformer Engine's or the local (pure PyTorch) one; with
-    ``num_experts`` an MoE layer (sequential local experts: no grouped GEMM)."""
+    ``num_experts`` an MoE layer (sequential local experts: no grouped GEMM).
+
+    Both specs give the same dist-checkpoint keys, so one checkpoint loads under either. The
+    local spec renames its norms to TE's fused ones (``pre_mlp_layernorm.`` →
+    ``mlp.linear_fc1.layer_norm_``), yet TE's MoE spec keeps a standalone ``pre_mlp_layernorm``
+    (an MoE layer has no ``linear_fc1`` to fuse it into): the local MoE spec keeps it too."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm
         )
-    return specs.get_gpt_layer_local_spec(
+    spec = specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
         normalization="RMSNorm",
     )  # fmt: skip
+    if num_experts:
+        keys = spec.submodules.sharded_state_dict_keys_map
+        spec.submodules.sharded_state_dict_keys_map = {
+            k: v for k, v in keys.items() if k != "pre_mlp_layernorm."
+        }
+    return spec
 
 
 def forward_backward_func(pp: int, vpp: int | None):

@@ -7,7 +7,11 @@ engine must agree exactly, so both are driven by :func:`tensor_maps` and the two
 
 Megatron names here are *canonical*: the TP=1 name with a global layer index and Transformer
 Engine's norm names (``linear_qkv.layer_norm_weight``), which is also what Megatron's
-dist-checkpoint keys use for the local layer spec. Fused layouts (TP=1):
+dist-checkpoint keys use for the local layer spec. The pre-MLP norm is fused into ``linear_fc1``
+only in a dense layer (``mlp.linear_fc1.layer_norm_weight``); an MoE layer keeps it standalone
+(``pre_mlp_layernorm.weight``), as Transformer Engine's MoE spec does and as
+:func:`megatron_p3o.mcore_compat.layer_spec` makes the local MoE spec do, so one checkpoint loads
+under either spec. Fused layouts (TP=1):
     linear_qkv  [g·(q/g + 2)·d, h]: per query group g: its q heads, then k_g, then v_g
     linear_fc1  [2·i, h]: gate rows, then up rows
     embedding / output_layer [V_pad, h]: HF rows then zero padding rows
@@ -51,11 +55,14 @@ class TensorMap:
     expert: Optional[int] = None
 
 
-# local (non-TE) layer-spec module names → canonical (TE) names
-_LOCAL_TO_CANONICAL = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-}
+# a layer's pre-MLP norm: fused into linear_fc1 in a dense layer (TE's dense spec), a module of
+# its own in an MoE layer (TE's MoE spec, and the local MoE spec: mcore_compat.layer_spec)
+PRE_MLP_NORM_DENSE = "mlp.linear_fc1.layer_norm_weight"
+PRE_MLP_NORM_MOE = "pre_mlp_layernorm.weight"
+# local (non-TE) layer-spec module names → canonical (TE) names; the second table only for a
+# dense layer (an MoE layer's live pre-MLP norm name is canonical in both specs)
+_LOCAL_TO_CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
+_LOCAL_TO_CANONICAL_DENSE = {PRE_MLP_NORM_MOE: PRE_MLP_NORM_DENSE}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # a routed expert's tensor: canonical ``mlp.experts.{e}.x``, live
 # ``mlp.experts.local_experts.{e}.x``, dist-checkpoint key ``decoder.layers.mlp.experts.experts.x``
@@ -182,7 +189,7 @@ def tensor_maps(desc: ModelDescription) -> List[TensorMap]:
                 i,
             ),
             TensorMap(
-                p + "mlp.linear_fc1.layer_norm_weight",
+                p + (PRE_MLP_NORM_MOE if desc.is_moe else PRE_MLP_NORM_DENSE),
                 (h + "post_attention_layernorm.weight",),
                 "copy",
                 None,
@@ -300,15 +307,20 @@ def to_hf(tm: TensorMap, t: Tensor, desc: ModelDescription) -> Dict[str, Tensor]
     }
 
 
-def canonical_name(module_name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+def canonical_name(
+    module_name: str, layer_offset: int = 0, expert_offset: int = 0, *, moe: bool = False
+) -> str:
     """A live model's parameter name (either layer spec, stage-local layer index, EP-rank-local
-    expert index) → canonical."""
+    expert index) → canonical. ``moe``: the model's layers are MoE layers (their pre-MLP norm
+    keeps its live name; a dense layer's local ``pre_mlp_layernorm`` is TE's fused norm)."""
     name = module_name[len("module.") :] if module_name.startswith("module.") else module_name
     m = _LAYER_RE.match(name)
     if not m:
         return name
     rest = m.group(2)
     rest = _LOCAL_TO_CANONICAL.get(rest, rest)
+    if not moe:
+        rest = _LOCAL_TO_CANONICAL_DENSE.get(rest, rest)
     x = _EXPERT_RE.match(rest)
     if x:
         rest = f"mlp.experts.{int(x.group(1)) + expert_offset}.{x.group(2)}"

@@ -1,9 +1,19 @@
-"""The tiny recipe's first 5 steps reproduce values recorded before the trainer's redesign.
+"""Determinism and a regression record that hold on any x86-64 CPU (issue 25, item 1).
 
-``data/tiny_recipe_first5.json`` was written by the trainer as it was before the rollout backend,
-the phase-structured ``Trainer.step`` and the policy-update module existed (commit 8f02a42), on
-the session base model that ``tools/make_tiny_base.py`` makes. A refactor that changes what the
-trainer computes (which samples, which advantages, which loss, which update) fails here.
+A golden record of a *trained-at-test-time* run only reproduces on the CPU that wrote it: BLAS
+kernels of another instruction set round differently, so the base model and every sampled token
+differ (a fresh clone on another AVX-512 machine: n_tokens 903 vs 885). So:
+
+- determinism is "the same command twice gives bitwise-identical metrics and checkpoints", on
+  whatever machine runs it;
+- the regression record comes only from quantities fixed inputs determine: the shipped tiny model
+  (``data/fixed_update/hf``) and a shipped rollout batch (``batch.json``: token ids, the engine's
+  ℓb, rewards), one optimizer step of ``Trainer.step`` (``fixed_update_driver.py``). Loss, e_B,
+  grad norm, the new parameters' Σθ² and ‖Δθ‖ are compared at 1e-4 relative; Δθ·θ₀ at 2e-2: a
+  first Adam step moves each parameter by about lr·sign(g), and the sign of a near-zero gradient
+  may differ on another ISA (measured: 2e-4 between this CPU's AVX-512 and forced AVX2 kernels,
+  5e-7 for the loss). The AVX2 run is part of the test, as a second machine.
+
 Re-record only for an intended change of behaviour: ``P3O_RECORD=1 pytest this file``.
 """
 
@@ -14,61 +24,84 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from .cli import ENV, ROOT
+from .test_resume import _tensors, _train
 
-RECORD = ROOT / "tests/e2e/data/tiny_recipe_first5.json"
-STEPS = 5
+DATA = ROOT / "tests/e2e/data/fixed_update"
+RECORD = DATA / "record.json"
+DRIVER = ROOT / "tests/e2e/fixed_update_driver.py"
+TOL = {"loss": 1e-4, "ess": 1e-4, "grad_norm": 1e-4, "param_sq_sum": 1e-4, "delta_norm": 1e-4,
+       "delta_dot_theta": 2e-2, "n_tokens": 0.0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fixed_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fixed") / "ckpt"
+    r = subprocess.run(
+        [sys.executable, "-m", "checkpoints_convert.hf_to_megatron", "--hf", str(DATA / "hf"),
+         "--out", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    """Within ``rel`` of the larger magnitude, with a floor of 1e-3 for quantities near zero
+    (GRPO's first-step loss is -mean(A) ≈ 1e-8: rounding, not signal); NaN only equals NaN."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-3)
+
+
+def _fixed_step(ckpt, out, objective, env=None):
+    r = subprocess.run([sys.executable, str(DRIVER), str(ckpt), str(out), objective],
+                       capture_output=True, text=True, env={**ENV, **(env or {})}, cwd=ROOT,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.e2e
+def test_one_step_on_fixed_inputs_matches_the_record(fixed_ckpt, tmp_path):
+    got = {
+        "p3o": _fixed_step(fixed_ckpt, tmp_path / "p3o.json", "p3o"),
+        "grpo": _fixed_step(fixed_ckpt, tmp_path / "grpo.json", "grpo"),
+        # another machine: the same step with the AVX2 kernels forced
+        "p3o_avx2": _fixed_step(
+            fixed_ckpt, tmp_path / "avx2.json", "p3o", {"ATEN_CPU_CAPABILITY": "avx2"}
+        ),  # fmt: skip
+    }
+    if os.environ.get("P3O_RECORD"):
+        RECORD.write_text(json.dumps({k: got[k] for k in ("p3o", "grpo")}, indent=1) + "\n")
+        pytest.skip(f"recorded {RECORD}")
+    want = json.loads(RECORD.read_text())
+    want["p3o_avx2"] = want["p3o"]
+    for name, w in want.items():
+        g = got[name]
+        diff = {k: (w[k], g[k]) for k, tol in TOL.items() if not _close(g[k], w[k], tol)}
+        assert not diff, f"{name} differs from the record (recorded, now): {diff}"
+    assert 0.9 < got["p3o"]["ess"] < 1.0  # the shipped batch is off-policy (bf16 engine)
+    assert got["p3o"]["loss"] != got["grpo"]["loss"]
 
 
 def _comparable(row: dict) -> dict:
     """Everything but wall-clock times and rates."""
-    return {
-        k: v
-        for k, v in row.items()
-        if not (k.endswith("_s") or k.endswith("_per_s") or k.startswith("rollout_wait"))
-    }
-
-
-def _close(a, b) -> bool:
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_close, a, b))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        if math.isnan(a) or math.isnan(b):
-            return math.isnan(a) and math.isnan(b)
-        return abs(a - b) <= 1e-5 * max(1.0, abs(a), abs(b))
-    return a == b
+    timing = ("_s", "_per_s")
+    return {k: v for k, v in row.items() if not (k.endswith(timing) or "rollout_wait" in k)}
 
 
 @pytest.mark.e2e
-def test_first_five_steps_match_the_record(base, tmp_path):
-    sets = {
-        "model.checkpoint": base / "ckpt",
-        "data.path": base / "train.jsonl",
-        "data.eval_path": "''",
-        "steps": STEPS,
-        "run.dir": tmp_path,
-        "run.name": "det",
-    }
-    args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
-    r = subprocess.run(
-        [sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml"), *args],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    rows = [json.loads(x) for x in (tmp_path / "det" / "metrics.jsonl").read_text().splitlines()]
-    got = [_comparable(x) for x in rows]
-    if os.environ.get("P3O_RECORD"):
-        RECORD.parent.mkdir(parents=True, exist_ok=True)
-        RECORD.write_text(json.dumps(got, indent=1) + "\n")
-        pytest.skip(f"recorded {RECORD}")
-    want = json.loads(RECORD.read_text())
-    assert len(got) == len(want) == STEPS
-    for step, (g, w) in enumerate(zip(got, want), start=1):
-        missing = sorted(set(w) - set(g))
-        assert not missing, f"step {step}: metrics no longer logged: {missing}"
-        diff = {k: (w[k], g[k]) for k in w if not _close(w[k], g[k])}
-        assert not diff, f"step {step} differs from the record (recorded, now): {diff}"
+def test_the_same_command_twice_is_bitwise_identical(base, tmp_path):
+    """Metrics (all but timings) and the final checkpoint's tensors, bit for bit."""
+    runs = []
+    for name in ("a", "b"):
+        r = _train(base, tmp_path, name, 2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs.append(([_comparable(x) for x in rows], tmp_path / name / "checkpoints/step_000002"))
+    assert runs[0][0] == runs[1][0]
+    ta, tb = (_tensors(ck, tmp_path) for _, ck in runs)
+    assert ta.keys() == tb.keys() and len(ta) > 10
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
