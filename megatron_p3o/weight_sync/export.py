@@ -69,9 +69,7 @@ def iter_hf_tensors(
             m = _LOCAL_LAYER.match(name)
             if m:
                 local = int(m.group(1))
-                name = canonical_name(
-                    name, numbers[local] - local, first_expert, moe=desc.is_moe
-                )
+                name = canonical_name(name, numbers[local] - local, first_expert, moe=desc.is_moe)
             else:
                 name = canonical_name(name, moe=desc.is_moe)
             tm = by_name.get(name)

@@ -23,8 +23,13 @@ RECIPES = sorted(
 
 
 def _sample(n_prompt, n_completion):
-    return Sample(prompt_ids=[1] * n_prompt, completion_ids=[2] * n_completion,
-                  logprobs=[-0.5] * n_completion, finish_reason="length", weight_version=0)  # fmt: skip
+    return Sample(
+        prompt_ids=[1] * n_prompt,
+        completion_ids=[2] * n_completion,
+        logprobs=[-0.5] * n_completion,
+        finish_reason="length",
+        weight_version=0,
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

@@ -26,8 +26,12 @@ def te_fused_adam(monkeypatch):
     te.pytorch = types.ModuleType("transformer_engine.pytorch")
     te.pytorch.optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
     te.pytorch.optimizers.FusedAdam = FusedAdam
-    for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", te.pytorch),
-                      ("transformer_engine.pytorch.optimizers", te.pytorch.optimizers)):  # fmt: skip
+    mods = {
+        "transformer_engine": te,
+        "transformer_engine.pytorch": te.pytorch,
+        "transformer_engine.pytorch.optimizers": te.pytorch.optimizers,
+    }
+    for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     import megatron.core.optimizer.optimizer_config as oc
 
