@@ -47,11 +47,28 @@ class RunConfig:
     name: run name (a directory under ``dir``).
     dir: where run directories live.
     seed: global seed (data order, sampling, init).
+    exit_signals: signals that end the run after the current step with a checkpoint, exit
+        status 75 (:mod:`megatron_p3o.preemption`; a ``STOP`` file in the run directory does
+        the same).
+    exit_after_minutes: the same after this much wall clock (None: no budget).
     """
 
     name: str = "run"
     dir: str = "runs"
     seed: int = 1234
+    exit_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    exit_after_minutes: Optional[float] = None
+
+    def __post_init__(self):
+        import signal
+
+        for name in self.exit_signals:
+            if name in ("SIGKILL", "SIGSTOP") or not isinstance(
+                getattr(signal, str(name), None), signal.Signals
+            ):
+                raise ConfigError(f"run.exit_signals: {name!r} is not a signal that can be caught")
+        if self.exit_after_minutes is not None and self.exit_after_minutes <= 0:
+            raise ConfigError(f"run.exit_after_minutes={self.exit_after_minutes} must be > 0")
 
 
 @dataclass(frozen=True)

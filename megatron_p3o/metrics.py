@@ -13,7 +13,7 @@ import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,31 +24,59 @@ LOG_HIST_BINS = 1600  # bin width 0.01 in log space (≈1% in ratio)
 COARSE_HIST_RANGE = 2.0  # coarse_hist (metrics.jsonl's log_ratio_hist) covers [-2, 2]
 
 
+def _f64(x):
+    """A metric value as it is accumulated: a float64 device tensor (no host read) or a float."""
+    return x.detach().to(torch.float64).reshape(()) if torch.is_tensor(x) else float(x)
+
+
+def _max(a, b):
+    if not torch.is_tensor(a):
+        a, b = b, a
+    if not torch.is_tensor(a):
+        return max(a, b)
+    return torch.maximum(a, b) if torch.is_tensor(b) else a.clamp_min(b)
+
+
+def host_copy(tensors: List[Tensor]) -> List[Tensor]:
+    """CPU float64 copies of ``tensors`` (same shapes), read with one device→host transfer."""
+    if not tensors:
+        return []
+    dev = tensors[0].device
+    flat = torch.cat([t.detach().to(dev, torch.float64).reshape(-1) for t in tensors]).cpu()
+    return list(torch.split(flat, [t.numel() for t in tensors]))
+
+
 class StepMetrics:
     """Accumulates one step's metrics locally; :meth:`reduce` combines ranks; :meth:`result`
-    reads."""
+    reads.
+
+    Values stay device tensors (float64) while the micro-batches run: adding one never reads it
+    on the host (a device→host read stalls the GPU stream). :meth:`to_host` reads all of them
+    with one transfer, once per optimizer step, after the schedule; :meth:`result` and
+    :meth:`coarse_hist` call it."""
 
     def __init__(self):
         self.sums: Dict[str, list] = defaultdict(lambda: [0.0, 0.0])
-        self.maxes: Dict[str, float] = {}
+        self.maxes: Dict[str, Any] = {}
         self.hists: Dict[str, Tensor] = {}
 
     def add(self, name: str, num, den) -> None:
         s = self.sums[name]
-        s[0] += float(num)
-        s[1] += float(den)
+        s[0] = s[0] + _f64(num)
+        s[1] = s[1] + _f64(den)
 
     def add_max(self, name: str, value) -> None:
-        v = float(value)
-        self.maxes[name] = max(self.maxes.get(name, -math.inf), v)
+        v = _f64(value)
+        self.maxes[name] = _max(self.maxes[name], v) if name in self.maxes else v
 
-    def add_log_hist(self, name: str, log_values: Tensor) -> None:
-        h = torch.histc(
-            log_values.detach().double().clamp(-LOG_HIST_RANGE, LOG_HIST_RANGE),
-            bins=LOG_HIST_BINS,
-            min=-LOG_HIST_RANGE,
-            max=LOG_HIST_RANGE,
-        )
+    def add_log_hist(self, name: str, log_values: Tensor, mask: Optional[Tensor] = None) -> None:
+        """Log-histogram of ``log_values``, or of those where ``mask > 0`` (a selection by
+        ``log_values[mask > 0]`` would read its size on the host: masked values are moved out
+        of the range instead, which ``histc`` ignores)."""
+        v = log_values.detach().double().clamp(-LOG_HIST_RANGE, LOG_HIST_RANGE)
+        if mask is not None:
+            v = torch.where(mask > 0, v, torch.full_like(v, 2 * LOG_HIST_RANGE + 1))
+        h = torch.histc(v, bins=LOG_HIST_BINS, min=-LOG_HIST_RANGE, max=LOG_HIST_RANGE)
         zero = torch.zeros(LOG_HIST_BINS, dtype=torch.float64, device=h.device)
         self.hists[name] = self.hists.get(name, zero) + h
 
@@ -57,54 +85,77 @@ class StepMetrics:
     ) -> "StepMetrics":
         """Sum / max over ``group`` (DP on the last stage), with the reduced tensors on
         ``device`` (the training device: NCCL refuses CPU tensors). Every rank must hold the
-        same names."""
+        same names. Sums and histograms travel in one all-reduce, maxima in another."""
         if group is None or dist.get_world_size(group) == 1:
             return self
         dev = device or torch.device("cpu")
-        names = sorted(self.sums)
-        if names:
-            t = torch.tensor([self.sums[n] for n in names], dtype=torch.float64, device=dev)
-            # DP group: each rank accumulated a disjoint part of the step's sequences.
+
+        def col(v) -> Tensor:
+            if torch.is_tensor(v):
+                return v.detach().to(dev, torch.float64).reshape(-1)
+            return torch.tensor([float(v)], dtype=torch.float64, device=dev)
+
+        names, hnames = sorted(self.sums), sorted(self.hists)
+        parts = [col(x) for n in names for x in self.sums[n]] + [col(self.hists[n]) for n in hnames]
+        if parts:
+            t = torch.cat(parts)
+            # DP group: each rank accumulated a disjoint part of the step's sequences (sums),
+            # histogram counts of the whole step, for global quantiles.
             dist.all_reduce(t, group=group)
-            for n, row in zip(names, t.tolist()):
-                self.sums[n] = row
+            for i, n in enumerate(names):
+                self.sums[n] = [t[2 * i], t[2 * i + 1]]
+            hist = t[2 * len(names) :].split(LOG_HIST_BINS)
+            self.hists.update(zip(hnames, hist))
         mnames = sorted(self.maxes)
         if mnames:
-            t = torch.tensor([self.maxes[n] for n in mnames], dtype=torch.float64, device=dev)
+            t = torch.cat([col(self.maxes[n]) for n in mnames])
             # DP group: the step's maximum over every rank's tokens.
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            self.maxes.update(zip(mnames, t.tolist()))
-        for n in sorted(self.hists):
-            h = self.hists[n].to(dev, copy=True)
-            # DP group: histogram counts of the whole step, for global quantiles.
-            dist.all_reduce(h, group=group)
-            self.hists[n] = h
+            self.maxes.update(zip(mnames, t.unbind()))
         return self
 
+    def to_host(self, *extra: Tensor) -> List[Tensor]:
+        """Every accumulated value on the host (floats, CPU histograms), read with one
+        device→host transfer; ``extra`` tensors travel with them (their CPU copies are
+        returned). Call it after the step's schedule, not per micro-batch."""
+        slots = [(self.sums[n], i) for n in self.sums for i in (0, 1)]
+        slots += [(self.maxes, n) for n in self.maxes]
+        slots = [(box, k) for box, k in slots if torch.is_tensor(box[k])]
+        hnames = [n for n in self.hists if self.hists[n].device.type != "cpu"]
+        read = host_copy(
+            [box[k] for box, k in slots] + list(extra) + [self.hists[n] for n in hnames]
+        )
+        for (box, k), v in zip(slots, read):
+            box[k] = float(v)  # host
+        self.hists.update(zip(hnames, read[len(slots) + len(extra) :]))
+        return read[len(slots) : len(slots) + len(extra)]
+
     def result(self) -> Dict[str, float]:
+        self.to_host()
         out = {n: (num / den if den else float("nan")) for n, (num, den) in self.sums.items()}
         out.update(self.maxes)
         for n, h in self.hists.items():
-            total = float(h.sum())
+            total = float(h.sum())  # host
             if total <= 0:
                 continue
             cdf = torch.cumsum(h, 0) / total
             width = 2 * LOG_HIST_RANGE / LOG_HIST_BINS
             for q in (50, 90, 99):
                 at = torch.tensor(q / 100.0, dtype=torch.float64, device=cdf.device)
-                i = int(torch.searchsorted(cdf, at))
+                i = int(torch.searchsorted(cdf, at))  # host
                 out[f"{n}_p{q}"] = math.exp(-LOG_HIST_RANGE + (i + 0.5) * width)
             # |log value| quantile: the histogram folded at 0 (bins are symmetric around it)
             half = LOG_HIST_BINS // 2
             folded = torch.cumsum(h[half:] + torch.flip(h[:half], [0]), 0) / total
             at = torch.tensor(0.99, dtype=torch.float64, device=cdf.device)
-            i = int(torch.searchsorted(folded, at))
+            i = int(torch.searchsorted(folded, at))  # host
             out[f"abs_log_{n}_p99"] = (i + 1) * width  # upper edge of the bin
         return out
 
     def coarse_hist(self, name: str, half_range: float = COARSE_HIST_RANGE, bins: int = 40) -> list:
         """The ``name`` log-histogram re-binned to ``bins`` over [−half_range, half_range] (mass
         outside lands in the end bins): small enough for one line of metrics.jsonl per step."""
+        self.to_host()
         h = self.hists.get(name)
         if h is None:
             return []

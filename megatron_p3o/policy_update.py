@@ -17,7 +17,10 @@ Order of one optimizer step (``PolicyUpdate.run``):
    k-th micro-batch of every DP rank.
 3. Gradient pass through ``forward_backward``: each micro-batch returns Σ terms / N_B. Megatron
    only sums (``calculate_per_token_loss`` + our finalizer), so the gradient is that of one
-   process holding the whole step batch.
+   process holding the whole step batch. A micro-batch reads nothing back to the host (each
+   read would stall the device stream): its metrics accumulate as device tensors, and the
+   checks that need a host decision (non-finite ℓθ, an empty micro-batch ESS pool) run after
+   the schedule, with the metrics' one reduction and one device→host read of the step.
 4. The loss-side metrics live on the last pipeline stage; they are sent to every stage so the
    logger (global rank 0, first stage) writes them under PP > 1 too.
 
@@ -47,11 +50,13 @@ from .batching import nest_response
 from .loss.diagnostics import add_mismatch_metrics, finalize_mismatch
 from .loss.ess import (
     EmptyStepError,
+    FiniteWatch,
     NonFiniteLogprobError,
     all_reduce_stats,
     check_finite,
     ess_from_stats,
     ess_stats,
+    ess_tensor,
 )
 from .loss.logprob import vocab_parallel_logprobs
 from .loss.registry import Objective
@@ -172,6 +177,10 @@ def score_responses(
                 mb["response"][value_key] = value.float().to(dev)
 
 
+# the step's count of non-finite ℓθ travels with its metrics (one reduction), never logged
+_NONFINITE = "_nonfinite_logprobs"
+
+
 class PolicyUpdate:
     """Runs the objective over one optimizer step's micro-batches (see the module docstring).
 
@@ -246,7 +255,11 @@ class PolicyUpdate:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
         return n_tok, n_seq
 
-    def _logprobs(self, batch, logits, entropy: bool = True, value: bool = False):
+    def _logprobs(self, batch, logits, watch: FiniteWatch, entropy: bool = True, value=False):
+        """ℓθ, entropy, the mask to use and V(s₁) of one micro-batch, with no host read: with
+        ``nonfinite: mask`` non-finite tokens leave the mask; with ``error`` (ℓb was checked on
+        every rank before the step) ``watch`` keeps ℓθ, and the step raises after its schedule
+        (a check here would stall the device every micro-batch)."""
         # the logits feed only this loss: their storage is reused for the gradient
         lp, ent, val = response_logprobs(
             batch, logits, self.groups, self.temperature, self.vocab_size,
@@ -254,13 +267,13 @@ class PolicyUpdate:
         )  # fmt: skip
         resp = batch["response"]
         mask = resp["mask"].to(torch.float32)
-        ids = resp.get("sample_index")
-        ids = ids.tolist() if ids is not None else None
-        if self.cfg.nonfinite == "mask":  # "error" was checked once, on every rank, before the step
+        if self.cfg.nonfinite == "mask":
             mask = check_finite(
-                "behaviour log-prob ℓb", resp["behavior_logprobs"], mask, ids, "mask"
+                "behaviour log-prob ℓb", resp["behavior_logprobs"], mask, None, "mask"
             )
-        mask = check_finite("trainer log-prob ℓθ", lp.detach(), mask, ids, self.cfg.nonfinite)
+            mask = check_finite("trainer log-prob ℓθ", lp.detach(), mask, None, "mask")
+        else:
+            watch.watch("trainer log-prob ℓθ", lp, mask, resp.get("sample_index"))
         return lp, ent, mask, val
 
     def _inputs(self, batch, lp, ent, mask, value=None) -> LossInputs:
@@ -288,9 +301,10 @@ class PolicyUpdate:
         return torch.cat(parts)
 
     @staticmethod
-    def _ess_values(stats: torch.Tensor, what: str):
+    def _ess_values(stats, what: str):
+        """(e_B, e_prox or None) from host statistics ``[Σρ, Σρ², N] (+ prox)``, checked."""
         ess = ess_from_stats(stats[:3], what)
-        ess_p = ess_from_stats(stats[3:], what + " (prox)") if stats.numel() > 3 else None
+        ess_p = ess_from_stats(stats[3:], what + " (prox)") if len(stats) > 3 else None
         return ess, ess_p
 
     # -- stage 2: ESS pre-pass ---------------------------------------------------------------
@@ -299,10 +313,11 @@ class PolicyUpdate:
         so the gradient pass computes it only when the objective differentiates it."""
         stats: List[torch.Tensor] = []
         want_ent = self.cfg.log_entropy
+        watch = FiniteWatch()
 
         def loss_fn(batch, logits):
             with torch.no_grad():
-                lp, ent, mask, _ = self._logprobs(batch, logits, entropy=want_ent)
+                lp, ent, mask, _ = self._logprobs(batch, logits, watch, entropy=want_ent)
                 stats.append(self._ess_stats(self._inputs(batch, lp, ent, mask)))
                 if ent is not None:
                     acc.add("entropy", (ent * mask).sum(), mask.sum())
@@ -315,10 +330,14 @@ class PolicyUpdate:
             )  # fmt: skip
         if not self.groups.is_last_stage():
             return None
-        # DP group: Σρ, Σρ², N of the whole optimizer step, all-reduced once (CP ranks hold
-        # whole sequences after the loss-side gather: they agree, nothing to add over CP).
-        total = all_reduce_stats(torch.stack(stats).sum(0), self.groups.dp)
-        return self._ess_values(total, "optimizer step")
+        # DP group: Σρ, Σρ², N of the whole optimizer step and its count of non-finite ℓθ,
+        # all-reduced once (CP ranks hold whole sequences after the loss-side gather: they
+        # agree, nothing to add over CP), read on the host once.
+        local = torch.cat([torch.stack(stats).sum(0), watch.count(self.groups.device)[None]])
+        total = all_reduce_stats(local, self.groups.dp).tolist()
+        if total[-1]:
+            watch.raise_error(total[-1])
+        return self._ess_values(total[:-1], "optimizer step")
 
     def _broadcast_from_last_stage(self, values: Optional[tuple]) -> tuple:
         """Every pipeline stage learns e_B (for logging and checks)."""
@@ -366,20 +385,26 @@ class PolicyUpdate:
             )
         entropy_done = prepass and self.cfg.log_entropy
         want_ent = self.objective.needs_entropy or (self.cfg.log_entropy and not entropy_done)
-        micro_ess: List[float] = []
+        micro_stats: List[torch.Tensor] = []
         norm = n_seq if self.objective.per_sequence else n_tok
+        watch = FiniteWatch()
 
+        # One micro-batch reads nothing on the host (each read stalls the device stream):
+        # metrics accumulate as device tensors and are read once per step, after the schedule;
+        # so are the checks (non-finite ℓθ, a micro-batch ESS pool without tokens).
         def loss_fn(batch, logits):
-            lp, ent, mask, val = self._logprobs(batch, logits, want_ent, self.objective.needs_value)
+            needs_value = self.objective.needs_value
+            lp, ent, mask, val = self._logprobs(batch, logits, watch, want_ent, needs_value)
             inp = self._inputs(batch, lp, ent, mask, val)
             self.objective.check_inputs(inp)
             e, e_p = ess, ess_p
             if self.objective.needs_ess and not step_scope:
-                # DP group: micro-batch k of every data-parallel rank forms one ESS pool.
-                e, e_p = self._ess_values(
-                    all_reduce_stats(self._ess_stats(inp), self.groups.dp), "micro-batch"
-                )
-                micro_ess.append(e)
+                # DP group: micro-batch k of every data-parallel rank forms one ESS pool. e_B
+                # stays a device scalar; its statistics are checked after the schedule.
+                st = all_reduce_stats(self._ess_stats(inp), self.groups.dp)
+                micro_stats.append(st)
+                e = ess_tensor(st[:3])
+                e_p = ess_tensor(st[3:]) if st.numel() > 3 else None
             stats = StepStats(n_tokens=n_tok, n_seqs=n_seq, ess=e, ess_prox=e_p)
             total, pairs = self.objective.terms(inp, stats)
             loss = total / norm
@@ -390,13 +415,22 @@ class PolicyUpdate:
                 dropped = batch["response"]["mask"].sum() - mask.sum()
                 acc.add("nonfinite_masked", dropped, 1.0)
                 add_mismatch_metrics(acc, inp, entropy=not entropy_done)
-            return loss, int(mask.sum().item()), {}
+            return loss, mask.sum().to(torch.int), {}
 
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
+        micro_ess: List[float] = []
         if self.groups.is_last_stage():
+            acc.add(_NONFINITE, watch.count(self.groups.device), 1.0)
             # DP group: each DP rank's micro-batches hold a disjoint share of the sequences.
-            res = finalize_mismatch(acc.reduce(self.groups.dp, self.groups.device).result())
+            acc.reduce(self.groups.dp, self.groups.device)
+            # the step's one device→host read of the loss side (metrics, checks, micro e_B)
+            micro = acc.to_host(*micro_stats)
+            bad = acc.sums.pop(_NONFINITE)[0]
+            if bad:  # on every DP rank: the count was summed over them
+                watch.raise_error(bad)
+            micro_ess = [self._ess_values(st.tolist(), "micro-batch")[0] for st in micro]
+            res = finalize_mismatch(acc.result())
             res["log_ratio_hist"] = acc.coarse_hist(
                 "ratio", bins=200
             )  # 0.02-wide bins, log ρ ∈ [−2, 2]

@@ -51,19 +51,43 @@ def main(argv=None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     trainer = Trainer(cfg, groups)
+    stop = None
     try:
-        return _train(cfg, trainer, con)
+        from megatron_p3o.parallel import new_object_group
+        from megatron_p3o.preemption import GracefulStop
+
+        stop = GracefulStop(cfg.run.exit_signals, cfg.run.exit_after_minutes, trainer.run_dir,
+                            new_object_group(), groups.rank == 0)  # fmt: skip
+        return _train(cfg, trainer, con, stop)
     finally:  # no SGLang server or rollout thread outlives the run, whatever happened
+        if stop is not None:
+            stop.close()
         trainer.close()
 
 
-def _train(cfg, trainer, con) -> int:
+def _stopped(trainer, con, reason: str) -> int:
+    """A graceful stop (megatron_p3o.preemption): a checkpoint of this step, then exit 75."""
+    from megatron_p3o.checkpoint import latest_checkpoint
+    from megatron_p3o.preemption import EXIT_PREEMPTED
+
+    ckpt = latest_checkpoint(trainer.run_dir)
+    if trainer.step_idx and (ckpt is None or ckpt.name != f"step_{trainer.step_idx:06d}"):
+        ckpt = trainer.save_checkpoint()
+    con.print(f"stopped after step {trainer.step_idx} ({reason}); checkpoint: {ckpt}; "
+              f"the same command resumes (exit status {EXIT_PREEMPTED})")  # fmt: skip
+    return EXIT_PREEMPTED
+
+
+def _train(cfg, trainer, con, stop) -> int:
     from rich.progress import Progress
 
     from megatron_p3o.checkpoint import latest_checkpoint
     from megatron_p3o.console import accuracy_table, eval_line, step_line
     from megatron_p3o.evaluation import sets_due
 
+    reason = stop.agreed()
+    if reason is not None:  # e.g. the batch script's STOP file: torchrun restarted us after it
+        return _stopped(trainer, con, reason)
     acc, d = {}, cfg.data
     if trainer.resumed_from is not None:
         con.print(f"resumed from {trainer.resumed_from} (step {trainer.step_idx})")
@@ -81,6 +105,9 @@ def _train(cfg, trainer, con) -> int:
                 con.print(f"held-out accuracy at step {m['step']}: {acc[m['step']]:.3f}")
             if sets_due(cfg.eval, m["step"], m["step"] == cfg.steps):
                 con.print(eval_line(m["step"], trainer.evaluate_sets()))
+            reason = stop.agreed()
+            if reason is not None and m["step"] < cfg.steps:
+                return _stopped(trainer, con, reason)
     if d.eval_path:
         acc[trainer.step_idx] = trainer.evaluate(d.eval_path)
     ckpt = latest_checkpoint(trainer.run_dir)

@@ -13,20 +13,22 @@ from .terms import LossInputs, k3, masked_log_ratio
 
 
 def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs, entropy: bool = True) -> None:
-    """Accumulates the mismatch metrics of ``inp``; ``entropy=False`` when the entropy was
-    already accumulated elsewhere (the trainer's ESS pre-pass)."""
+    """Accumulates the mismatch metrics of ``inp`` as device tensors (no host read: this runs
+    in every micro-batch); ``entropy=False`` when the entropy was already accumulated elsewhere
+    (the trainer's ESS pre-pass)."""
     m = inp.mask.detach()
     n = m.sum()
     d = masked_log_ratio(inp.logprobs.detach().double(), inp.behavior_logprobs.detach().double(), m)
     rho = torch.exp(d) * m
     acc.add("ratio_mean", rho.sum(), n)
     acc.add("ratio_sq_mean", (rho * rho).sum(), n)
-    acc.add_max("ratio_max", rho.max() if n > 0 else 0.0)
+    # ρ ≥ 0 and 0 off the mask: the max over every position is the valid tokens' max (0 if none)
+    acc.add_max("ratio_max", rho.max() if rho.numel() else 0.0)
     acc.add("k3_to_behavior", k3(inp.logprobs.detach(), inp.behavior_logprobs, m).sum(), n)
     # KL(πb‖πθ) from the engine's own samples: E_b[ρ − 1 − log ρ] (k3 with ρ = πθ/πb, ≥ 0)
     acc.add("kl_behavior_theta", ((rho - 1.0 - d) * m).sum(), n)
     acc.add("abs_logprob_diff", (d.abs() * m).sum(), n)
-    acc.add_log_hist("ratio", d[m > 0])
+    acc.add_log_hist("ratio", d, mask=m)
     if entropy and inp.entropy is not None:
         acc.add("entropy", (inp.entropy.detach() * m).sum(), n)
 

@@ -9,7 +9,7 @@ then frozen for the step's gradient pass.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,13 +37,13 @@ def check_finite(
     """Refuse (or mask) non-finite ``values [B, T]`` at valid positions.
 
     Returns the mask to use: unchanged for ``policy="error"`` (raises instead), with the bad
-    tokens removed for ``policy="mask"``.
+    tokens removed for ``policy="mask"`` (no host read: the mask is the same when none is bad).
     """
     bad = ~torch.isfinite(values) & (mask > 0)
-    if not bad.any():
-        return mask
     if policy == "mask":
         return mask * (~bad).to(mask.dtype)
+    if not bad.any():
+        return mask
     rows = bad.any(-1).nonzero().flatten().tolist()
     r = rows[0]
     t = bad[r].nonzero().flatten()[0].item()
@@ -53,6 +53,43 @@ def check_finite(
         f"{f' and {len(rows) - 1} other samples' if len(rows) > 1 else ''}; "
         "set loss.nonfinite: mask to drop such tokens and count them instead"
     )
+
+
+class FiniteWatch:
+    """``check_finite(policy="error")`` deferred to the end of the step's schedule.
+
+    Raising inside a micro-batch needs ``bad.any()`` on the host: a device→host sync per
+    micro-batch. :meth:`watch` instead keeps the values and a device count of the non-finite
+    valid tokens; :meth:`count` sums them (fold it into the step's one reduction), and
+    :meth:`raise_error` (only once a count came back non-zero) raises exactly what
+    ``check_finite`` would have raised for the first offending micro-batch.
+    """
+
+    def __init__(self):
+        self.seen: List[Tuple[str, Tensor, Tensor, Optional[Tensor], Tensor]] = []
+
+    def watch(
+        self, name: str, values: Tensor, mask: Tensor, sample_ids: Optional[Tensor] = None
+    ) -> None:
+        bad = (~torch.isfinite(values) & (mask > 0)).sum()
+        self.seen.append((name, values.detach(), mask, sample_ids, bad))
+
+    def count(self, device: Optional[torch.device] = None) -> Tensor:
+        """Non-finite valid tokens over every watched micro-batch (a device tensor)."""
+        if not self.seen:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack([b for *_, b in self.seen]).sum().double()
+
+    def raise_error(self, total: float, where: str = "another data-parallel rank") -> None:
+        """Raise for ``total`` non-finite tokens of the step: ``check_finite``'s message when
+        they are in this rank's micro-batches, else one saying they are on ``where``."""
+        for name, values, mask, ids, _ in self.seen:
+            check_finite(name, values, mask, ids.tolist() if ids is not None else None)
+        name = self.seen[0][0] if self.seen else "a log-prob"
+        raise NonFiniteLogprobError(
+            f"{name} is non-finite at {total:.0f} valid tokens on {where}; "
+            "set loss.nonfinite: mask to drop such tokens and count them instead"
+        )
 
 
 def ess_stats(logprobs: Tensor, anchor_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -72,9 +109,16 @@ def all_reduce_stats(stats: Tensor, group: Optional[dist.ProcessGroup]) -> Tenso
     return stats
 
 
-def ess_from_stats(stats: Tensor, what: str = "step") -> float:
-    """e_B ∈ [1/N, 1] from ``[Σρ, Σρ², N]``; refuses an empty or non-finite step."""
-    s1, s2, n = (float(x) for x in stats)
+def ess_tensor(stats: Tensor) -> Tensor:
+    """e_B from ``[Σρ, Σρ², N]`` as a device scalar, unchecked (no host read, for use inside a
+    micro-batch): check the same statistics with :func:`ess_from_stats` after the schedule."""
+    return (stats[0] * stats[0]) / (stats[2] * stats[1])
+
+
+def ess_from_stats(stats, what: str = "step") -> float:
+    """e_B ∈ [1/N, 1] from ``[Σρ, Σρ², N]`` (a tensor, read with one host transfer, or host
+    floats); refuses an empty or non-finite step."""
+    s1, s2, n = stats.tolist() if torch.is_tensor(stats) else (float(x) for x in stats)
     if n <= 0:
         raise EmptyStepError(
             f"the {what} has no valid tokens: e_B and the token-mean are undefined"

@@ -37,7 +37,8 @@ class P3OConfig:
 
 def p3o_terms(inp: LossInputs, stats: StepStats, h: P3OConfig):
     """Σ_t loss_t over valid tokens ``[B, T]`` → scalar, plus metric (numerator, count) pairs."""
-    e = float(stats.ess)
+    # a float (scope "step": known before the pass) or a device scalar (scope "microbatch")
+    e = stats.ess if torch.is_tensor(stats.ess) else float(stats.ess)
     m = inp.mask
     rho = torch.exp(masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m)).detach()
     w = torch.clamp(rho, max=e)

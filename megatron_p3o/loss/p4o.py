@@ -29,15 +29,26 @@ class P4OConfig:
 
 def p4o_terms(inp: LossInputs, stats: StepStats, h: P4OConfig):
     m = inp.mask
-    e_b, e_p = float(stats.ess), float(stats.ess_prox)
-    e = min(e_b, e_p)
+    # floats (scope "step": known before the pass) or device scalars (scope "microbatch": the
+    # branch below is then a multiplication by 0 or 1, not a host read)
+    dev = torch.is_tensor(stats.ess) or torch.is_tensor(stats.ess_prox)
+    if dev:
+        e_b, e_p = (
+            torch.as_tensor(x, dtype=torch.float64, device=m.device)
+            for x in (stats.ess, stats.ess_prox)
+        )
+        e, log = torch.minimum(e_b, e_p), torch.log
+    else:
+        e_b, e_p = float(stats.ess), float(stats.ess_prox)
+        e, log = min(e_b, e_p), math.log
     rho = torch.exp(masked_log_ratio(inp.logprobs, inp.behavior_logprobs, m)).detach()
     per_tok = -torch.clamp(rho, max=e) * inp.advantages.detach() * inp.logprobs
-    if 1.0 - e >= 1e-6:
+    if dev or 1.0 - e >= 1e-6:
         wb, wp = 1.0 - e_b, 1.0 - e_p
         dt = torch.promote_types(inp.logprobs.dtype, torch.float32)
-        lb = inp.behavior_logprobs.to(dt) + math.log(wb + h.delta)
-        lp = inp.old_logprobs.to(dt) + math.log(wp + h.delta)
-        mix = torch.logaddexp(lb, lp) - math.log(wb + wp + 2 * h.delta)
-        per_tok = per_tok + (1.0 - e) * k3(inp.logprobs, mix, m, h.k3_clamp)
+        lb = inp.behavior_logprobs.to(dt) + log(wb + h.delta)
+        lp = inp.old_logprobs.to(dt) + log(wp + h.delta)
+        mix = torch.logaddexp(lb, lp) - log(wb + wp + 2 * h.delta)
+        w = (1.0 - e) * (1.0 - e >= 1e-6) if dev else 1.0 - e
+        per_tok = per_tok + w * k3(inp.logprobs, mix, m, h.k3_clamp)
     return (per_tok * m).sum(), {"frac_rho_above_ess": (((rho > e).float() * m).sum(), m.sum())}

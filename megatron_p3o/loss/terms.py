@@ -7,7 +7,7 @@ log-ratios are formed in float32 or wider and padded positions are zeroed **befo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -52,14 +52,16 @@ class StepStats:
     Attributes:
         n_tokens: N_B, valid tokens over every micro-batch and DP×CP rank.
         n_seqs: sequences with at least one valid token, over the same set.
-        ess: e_B of ρ = πθ/πb over the step (P3O, P4O), or None.
-        ess_prox: ESS of πθ/πprox over the step (P4O), or None.
+        ess: e_B of ρ = πθ/πb over the step (P3O, P4O), or None. A float (ESS scope
+            "step"), or a device scalar (scope "microbatch": computed inside the micro-batch,
+            never read on the host there).
+        ess_prox: ESS of πθ/πprox over the step (P4O), or None; float or device scalar too.
     """
 
     n_tokens: float
     n_seqs: float
-    ess: Optional[float] = None
-    ess_prox: Optional[float] = None
+    ess: Optional[Union[float, Tensor]] = None
+    ess_prox: Optional[Union[float, Tensor]] = None
 
 
 def masked_log_ratio(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ they share one.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -40,18 +40,23 @@ def next_token_targets(tokens: Tensor, pad_id: int = 0) -> Tensor:
     return targets
 
 
-def slice_for_cp(batch: MicroBatch, groups: ParallelGroups) -> MicroBatch:
+def slice_for_cp(
+    batch: MicroBatch, groups: ParallelGroups, host_cu_seqlens: Optional[Tensor] = None
+) -> MicroBatch:
     """This CP rank's tokens of every tensor shaped like ``tokens`` (padded rows: Megatron's
     2·cp chunk split of each row; packed: the same split of each sequence, see
     :mod:`~megatron_p3o.model.packed`). Adds ``cp_token_index`` (``[cp, numel/cp]``, every
     rank's positions in the flattened grid) for :func:`~megatron_p3o.model.packed.gather_tokens`.
-    Other entries (per-sequence ``[n]`` values, the nested ``response`` tensors) pass through."""
+    Other entries (per-sequence ``[n]`` values, the nested ``response`` tensors) pass through.
+    ``host_cu_seqlens``: the host micro-batch's ``cu_seqlens`` (the lengths decide the split;
+    without it the device copy is read back, a device→host sync)."""
     if not groups.layout.cp_enabled:
         return batch
     cp = groups.layout.cp
     shape = tuple(batch["tokens"].shape)
-    cu = batch.get("cu_seqlens")
-    cu = cu.cpu() if cu is not None else None  # host copy: lengths decide the split
+    cu = host_cu_seqlens
+    if cu is None and batch.get("cu_seqlens") is not None:
+        cu = batch["cu_seqlens"].cpu()  # host copy: lengths decide the split
     if cu is not None:
         packed.check_packed(cu, shape[1], cp)
     else:
@@ -79,7 +84,9 @@ def to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
 
 def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model):
     host = next(data_iterator)
-    batch = slice_for_cp(to_device(host, groups.device), groups)
+    # what the host decides (CP split, packed lengths) is read from the host micro-batch: a
+    # read of its device copy would stall the stream (one micro-batch reads nothing back)
+    batch = slice_for_cp(to_device(host, groups.device), groups, host.get("cu_seqlens"))
     tokens = batch["tokens"]
     params = None
     if "cu_seqlens" in host:  # packed (THD): attention and RoPE restart at every sequence

@@ -59,10 +59,12 @@ def all_token_indices(shape, cu_seqlens: Optional[Tensor], cp_size: int) -> Tens
 
 
 def check_packed(cu_seqlens: Tensor, total: int, cp_size: int) -> None:
-    """A packed layout CP can split: sequence lengths are multiples of 2·cp and cover ``total``."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    if int(cu_seqlens[-1]) != total or int(cu_seqlens[0]) != 0:
-        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} do not cover {total} tokens")
+    """A packed layout CP can split: sequence lengths are multiples of 2·cp and cover ``total``
+    (``cu_seqlens``: the host micro-batch's, read once)."""
+    starts = cu_seqlens.tolist()
+    lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    if starts[-1] != total or starts[0] != 0:
+        raise ValueError(f"cu_seqlens {starts} do not cover {total} tokens")
     if cp_size > 1 and any(n % (2 * cp_size) for n in lens):
         raise ValueError(
             f"packed sequence lengths {lens} must be multiples of 2×cp = {2 * cp_size}"
@@ -74,11 +76,14 @@ def packed_seq_params(cu_seqlens: Tensor, device: torch.device):
 
     Each sequence's padding sits at its end and is scored by nobody, so the padded lengths serve
     as the real ones too (a padding token attends only to its own sequence's earlier tokens).
+    ``cu_seqlens``: the host micro-batch's (the longest length is read from it, not from the
+    device copy).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    starts = cu_seqlens.tolist()
+    longest = max(b - a for a, b in zip(starts[:-1], starts[1:]))
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,

@@ -57,7 +57,8 @@ def _tensors(ckpt: Path, tmp: Path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("dist_opt", [False, True], ids=["adam", "distributed_optimizer"])
+# plain Adam: tests/e2e/test_preemption.py resumes bitwise at a random step
+@pytest.mark.parametrize("dist_opt", [True], ids=["distributed_optimizer"])
 def test_four_steps_equal_two_plus_resume_plus_two(base, tmp_path, dist_opt):
     """Also with Megatron's distributed optimizer (its checkpoint format and, without TE, its
     Adam step state: see ``mcore_compat.optimizer_sharded_state``)."""

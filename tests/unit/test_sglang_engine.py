@@ -71,18 +71,25 @@ def test_parse_response_refuses_bad_samples(mutate, needle):
         parse_generate_response(r, [1], 0)
 
 
-def test_launch_command():
+def test_launch_command(tmp_path):
+    import json
+
+    from megatron_p3o.weight_sync.fp8 import quantization_config
+
+    m = tmp_path / "m"  # an FP8 block checkpoint (fp8 serving refuses any other)
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps({"quantization_config": quantization_config()}))
     cmd = launch_command(
         SGLangConfig(
-            model_path="/m", quantization="fp8", kv_cache_dtype="fp8_e4m3", tp_size=2, port=31000,
-            python="/bin/sh", device="cuda",  # stands for the SGLang env's interpreter
+            model_path=str(m), quantization="fp8", kv_cache_dtype="fp8_e4m3", tp_size=2,
+            port=31000, python="/bin/sh", device="cuda",  # stands for the SGLang env's python
         )
     )  # fmt: skip
     joined = " ".join(cmd)
     assert cmd[0] == "/bin/sh"  # the configured interpreter, never sys.executable
     for part in (
         "-m sglang.launch_server",
-        "--model-path /m",
+        f"--model-path {m}",
         "--quantization fp8",
         "--kv-cache-dtype fp8_e4m3",
         "--tp-size 2",

@@ -3,6 +3,7 @@ script would launch (no cluster needed): which nodes train, how many SGLang serv
 and what the trainer is told."""
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -188,3 +189,53 @@ def test_serve_keeps_the_key_out_of_argv_and_logs(tmp_path):
     assert "--quantization fp8" in argv and "--kv-cache-dtype fp8_e4m3" in argv
     assert f"--model-path {fp8}" in argv and "--tp-size 4" in argv and "--port 30001" in argv
     assert router["env_key"] == key and "--worker-urls http://n3:30000" in " ".join(router["argv"])
+
+
+def test_preemption_signal_stops_training_and_requeues(tmp_path):
+    """Slurm's warning signal (USR1, --signal=B:USR1@300) to the batch shell: it writes the run's
+    STOP file (the trainer checkpoints after its current step and exits 75; here a stand-in
+    training step that waits for the file) and requeues the job; the requeued job removes the
+    file before training again."""
+    import time
+
+    import yaml
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    run = yaml.safe_load((ROOT / "recipes/qwen3_8b_h100x8.yaml").read_text())["run"]
+    stop = tmp_path / run["dir"] / run["name"] / "STOP"
+    log = tmp_path / "srun.log"
+    fakes = {
+        "scontrol": f'#!/bin/sh\ncase "$1" in requeue) echo "$*" >> {tmp_path / "requeue.log"};;'
+        " *) echo n1;; esac\n",
+        # the training step waits for the STOP file (what the trainer does after its step)
+        "srun": f'#!/bin/sh\necho "$*" >> {log}\ncase "$*" in *torch.distributed.run*)\n'
+        f"  i=0; while [ ! -e {stop} ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done\n"
+        "  exit 75;; esac\n",
+        "curl": "#!/bin/sh\nexit 0\n",
+    }
+    for name, text in fakes.items():
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(stat.S_IRWXU)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "x",
+           "SLURM_JOB_ID": "7", "PYTHON": sys.executable, "PYTHONPATH": str(ROOT),
+           "PYTHONWARNINGS": "ignore", "SGLANG_PYTHON": "/bin/true"}  # fmt: skip
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    (tmp_path / "hf" / "Qwen3-8B-fp8").mkdir(parents=True)
+    script = [str(ROOT / "tools/slurm/p3o.sbatch"), "recipes/qwen3_8b_h100x8.yaml"]
+    stop.parent.mkdir(parents=True)
+    stop.touch()  # left by the job before: the requeued job removes it before training
+    proc = subprocess.Popen(["bash", *script], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and not (
+        log.exists() and "torch.distributed.run" in log.read_text()
+    ):
+        time.sleep(0.2)
+    assert not stop.exists()  # removed at the start of the (requeued) job
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert stop.exists() and "stop requested" in err
+    assert (tmp_path / "requeue.log").read_text().split() == ["requeue", "7"]

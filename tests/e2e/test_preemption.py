@@ -1,0 +1,129 @@
+"""Preemption and time limits through the CLI (issue 25, item 2): a stop request at a random
+moment — SIGTERM to a single process, the batch script's STOP file under torchrun at 2 ranks,
+the wall-clock budget — ends the run after the current step with a checkpoint of that step and
+exit status 75; the same command then resumes, and the run ends bitwise equal (checkpoint
+tensors, metrics) to one that was never interrupted."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_p3o.preemption import EXIT_PREEMPTED, STOP_FILE
+
+from .cli import ENV, ROOT, torchrun
+from .test_resume import _tensors
+from .test_tiny_recipe import _sets
+
+RECIPE = str(ROOT / "recipes/tiny_cpu.yaml")
+
+
+def _cmd(base, run_dir, name, steps, nproc, *extra):
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    return [*launcher, "-m", "megatron_p3o.train", RECIPE, *_sets(base, run_dir, name, steps),
+            "--set", "data.eval_path=''", "--set", "checkpoint.every=100", *extra]  # fmt: skip
+
+
+def _run(cmd, run_dir, name, interrupt=None):
+    """Run ``cmd`` in a process group of its own; ``interrupt(proc)`` is called once the first
+    step is logged (then at a random moment within the next half second)."""
+    metrics = run_dir / name / "metrics.jsonl"
+    with open(run_dir / f"{name}.log", "a") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV,
+                                start_new_session=True)  # fmt: skip
+        try:
+            if interrupt is not None:
+                deadline = time.monotonic() + 600
+                while proc.poll() is None and time.monotonic() < deadline:
+                    if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                        time.sleep(random.Random(name).uniform(0.0, 0.5))
+                        interrupt(proc)
+                        break
+                    time.sleep(0.1)
+            rc = proc.wait(timeout=900)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return rc, (run_dir / f"{name}.log").read_text()
+
+
+def _comparable(path):
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    timing = ("_s", "_per_s")
+    return [{k: v for k, v in r.items() if not (k.endswith(timing) or "rollout_wait" in k)}
+            for r in rows]  # fmt: skip
+
+
+def _assert_equal_runs(tmp_path, a, b, steps):
+    ck = f"checkpoints/step_{steps:06d}"
+    ta, tb = _tensors(tmp_path / a / ck, tmp_path), _tensors(tmp_path / b / ck, tmp_path)
+    assert ta.keys() == tb.keys() and any("optimizer" in k for k in ta)
+    assert not [k for k in ta if not torch.equal(ta[k], tb[k])]
+    ma, mb = (
+        _comparable(tmp_path / a / "metrics.jsonl"),
+        _comparable(tmp_path / b / "metrics.jsonl"),
+    )
+    assert len(ma) == steps and ma == mb
+
+
+def _stopped_at(log: str) -> int:
+    line = next(x for x in log.splitlines() if x.startswith("stopped after step"))
+    return int(line.split()[3])
+
+
+@pytest.mark.e2e
+def test_sigterm_checkpoints_and_the_same_command_resumes(base, tmp_path):
+    steps = 10  # a step takes ~0.3 s: the signal lands mid-run
+    rc, log = _run(_cmd(base, tmp_path, "straight", steps, 1), tmp_path, "straight")
+    assert rc == 0, log[-3000:]
+    cmd = _cmd(base, tmp_path, "cut", steps, 1)
+
+    def term_twice(proc):  # the second signal lands while the first is being honoured
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGUSR1)
+
+    rc, log = _run(cmd, tmp_path, "cut", term_twice)
+    assert rc == EXIT_PREEMPTED, log[-3000:]
+    k = _stopped_at(log)
+    assert 1 <= k < steps and "(SIGTERM)" in log
+    assert (tmp_path / "cut" / "checkpoints" / f"step_{k:06d}").is_dir()
+    rc, log = _run(cmd, tmp_path, "cut")  # the same command
+    assert rc == 0 and f"step_{k:06d}" in log, log[-3000:]
+    _assert_equal_runs(tmp_path, "straight", "cut", steps)
+
+
+@pytest.mark.e2e
+def test_stop_file_under_torchrun_and_the_wall_clock_budget(base, tmp_path):
+    """Two ranks: the STOP file (what tools/slurm/p3o.sbatch writes on Slurm's signal) reaches
+    rank 0 only and both ranks stop after the same step; while it exists a started run stops at
+    once; removed (as the requeued job does), the same command resumes. Then
+    ``run.exit_after_minutes`` (0.12 s: shorter than one step) stops a run after its first step."""
+    steps = 8
+    rc, log = _run(_cmd(base, tmp_path, "straight", steps, 2), tmp_path, "straight")
+    assert rc == 0, log[-3000:]
+    cmd = _cmd(base, tmp_path, "cut", steps, 2)
+    stop = tmp_path / "cut" / STOP_FILE
+    rc, log = _run(cmd, tmp_path, "cut", lambda proc: stop.touch())
+    assert rc != 0 and f"exitcode  : {EXIT_PREEMPTED}" in log, log[-3000:]
+    k = _stopped_at(log)
+    assert 1 <= k < steps
+    rc, log = _run(cmd, tmp_path, "cut")  # STOP still there: nothing is trained
+    assert rc != 0 and log.count("stopped after step") == 2
+    assert len((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()) == k
+    stop.unlink()
+    rc, log = _run(cmd, tmp_path, "cut")
+    assert rc == 0, log[-3000:]
+    _assert_equal_runs(tmp_path, "straight", "cut", steps)
+    budget = _cmd(base, tmp_path, "budget", steps, 1, "--set", "run.exit_after_minutes=0.002")
+    rc, log = _run(budget, tmp_path, "budget")
+    assert rc == EXIT_PREEMPTED and "(run.exit_after_minutes)" in log, log[-3000:]
+    assert _stopped_at(log) == 1
