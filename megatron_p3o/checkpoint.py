@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from . import mcore_compat
 from .errors import CheckpointError, OutputExistsError
+from .manifest import DAMAGED_SUFFIX, check_everywhere, write_manifest
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ def save_model_state(
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True))
     _barrier()
+    write_manifest(tmp)  # last: every file with its size and digest (see manifest)
     if rank == 0:
         os.replace(tmp, final)
     _barrier()
@@ -159,6 +162,7 @@ def load_model_state(
 # -- training checkpoints: model + optimizer + scheduler + trainer state + per-rank RNG --------
 
 LATEST = "latest"
+_STEP_DIR = re.compile(r"step_\d+")
 
 
 def _rng_state() -> dict:
@@ -219,15 +223,56 @@ def save_training_checkpoint(
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(final.name)
         os.replace(tmp, root / LATEST)
-        done = sorted(
-            p
-            for p in root.iterdir()
-            if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
-        )
+        done = _step_dirs(root)  # complete ones: not .tmp, not .damaged (kept, not counted)
         for old in done[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _step_dirs(root: Path):
+    """``step_NNNNNN`` directories under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name))
+
+
+def resumable_checkpoint(run_dir: str | Path, say=print) -> Path | None:
+    """The checkpoint to resume from: ``latest`` if it verifies against its manifest, else the
+    newest one that does (``say`` tells, in one line, which file was bad). A bad one is renamed
+    ``<name>.damaged`` — kept, no longer counted by keep-last-N. None when there is none; one
+    clear error when none verifies. All ranks call this (the digests are split over them)."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / LATEST
+    latest = root / pointer.read_text().strip() if pointer.is_file() else None
+    candidates = [latest] if latest is not None else []
+    candidates += [p for p in reversed(_step_dirs(root)) if p != latest]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problems = []
+    for ck in candidates:
+        bad = "missing" if not ck.is_dir() else check_everywhere(ck)
+        if bad is None:
+            if problems:
+                say(f"checkpoint {problems[0]}; resuming from {ck.name} instead (the damaged "
+                    f"one is kept as <name>{DAMAGED_SUFFIX})")  # fmt: skip
+            return ck
+        problems.append(f"{ck.name} is damaged ({bad})")
+        if ck.is_dir():
+            _barrier()
+            if rank == 0:
+                ck.rename(_free_name(ck.with_name(ck.name + DAMAGED_SUFFIX)))
+            _barrier()
+    if problems:
+        raise CheckpointError(f"no checkpoint under {root} verifies: " + "; ".join(problems))
+    return None
+
+
+def _free_name(p: Path) -> Path:
+    n, q = 1, p
+    while q.exists():
+        n += 1
+        q = p.with_name(f"{p.name}{n}")
+    return q
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

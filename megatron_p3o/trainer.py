@@ -20,9 +20,9 @@ import torch.distributed as dist
 from .advantage import group_advantages
 from .batching import MicroBatcher
 from .checkpoint import (
-    latest_checkpoint,
     load_model_state,
     load_training_checkpoint,
+    resumable_checkpoint,
     save_training_checkpoint,
 )
 from .config import ConfigError, TrainConfig, to_dict
@@ -138,7 +138,8 @@ class Trainer:
         self.step_idx = 0
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.rank0 = groups.rank == 0
-        self.resumed_from = latest_checkpoint(self.run_dir)
+        say = print if groups.rank == 0 else (lambda *a: None)
+        self.resumed_from = resumable_checkpoint(self.run_dir, say)
         self.log = RunLog(
             self.run_dir, to_dict(cfg), cfg.wandb, self.rank0, self.resumed_from is not None
         )

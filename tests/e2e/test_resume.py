@@ -141,3 +141,61 @@ def test_resume_at_another_tensor_parallel_size(base, tmp_path):
     assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), (a["loss"], b["loss"])
     assert abs(a["ess"] - b["ess"]) <= 1e-6, (a["ess"], b["ess"])
     assert json.loads((tmp_path / "tp2" / "config.json").read_text())["parallel"]["tp"] == 2
+
+
+def _corrupt(ckpt: Path, how: str) -> str:
+    """Damage ``ckpt`` as a failing disk or a hand would; returns the file named."""
+    shard = sorted(ckpt.glob("__0_*.distcp"))[0]
+    if how == "truncated shard":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+        return shard.name
+    if how == "flipped bytes":
+        p = ckpt / "common.pt"
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        p.write_bytes(bytes(data))
+        return p.name
+    (ckpt / "rank" / "0.pt").unlink()  # a missing file
+    return "rank/0.pt"
+
+
+@pytest.mark.e2e
+def test_torn_checkpoints_fall_back_to_the_newest_that_verifies(base, tmp_path):
+    """Each checkpoint carries a manifest (files, sizes, digests) written last. A torn or
+    corrupted ``latest`` is named in one line, kept as ``step_N.damaged`` and the run resumes
+    from the newest checkpoint that verifies, ending like an undamaged run; with none left that
+    verifies, one clear error."""
+    import json as _json
+    import shutil
+
+    a = _train(base, tmp_path, "orig", 4)
+    assert a.returncode == 0, a.stderr[-3000:]
+    ck = tmp_path / "orig" / "checkpoints"
+    man = _json.loads((ck / "step_000004" / "manifest.json").read_text())["files"]
+    assert "common.pt" in man and any(k.endswith(".distcp") for k in man)
+    want = (tmp_path / "orig" / "metrics.jsonl").read_text().splitlines()
+    for i, how in enumerate(["truncated shard", "flipped bytes", "missing file"]):
+        name = f"torn{i}"
+        shutil.copytree(tmp_path / "orig", tmp_path / name)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()[:2]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(x + "\n" for x in lines))
+        bad = _corrupt(tmp_path / name / "checkpoints" / "step_000004", how)
+        r = _train(base, tmp_path, name, 4)
+        assert r.returncode == 0, r.stderr[-3000:]
+        said = [x for x in r.stdout.splitlines() if "is damaged" in x]
+        assert len(said) == 1 and f"step_000004 is damaged ({bad}" in said[0], r.stdout[-2000:]
+        assert "resuming from step_000002" in said[0]
+        root = tmp_path / name / "checkpoints"
+        assert (root / "step_000004.damaged").is_dir() and (root / "step_000004").is_dir()
+        got = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        strip = lambda rows: [  # noqa: E731 - timings differ
+            {k: v for k, v in _json.loads(x).items() if not k.endswith(("_s", "_per_s"))}
+            for x in rows
+        ]
+        assert strip(got) == strip(want), how
+    for step in ("step_000002", "step_000004"):  # nothing left that verifies
+        _corrupt(tmp_path / "torn0" / "checkpoints" / step, "flipped bytes")
+    r = _train(base, tmp_path, "torn0", 6)
+    assert r.returncode == 2 and "no checkpoint under" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and "step_000004 is damaged (common.pt" in r.stderr
