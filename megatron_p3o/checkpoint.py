@@ -200,10 +200,12 @@ def save_training_checkpoint(
     trainer_state: dict,
     keep_last: int = 2,
     extra: Dict | None = None,
+    files: Dict[str, dict] | None = None,
 ) -> Path:
     """``run_dir/checkpoints/step_NNNNNN`` (atomic), then the ``latest`` pointer (atomic), then
     pruning to the newest ``keep_last``. An interrupted save leaves ``latest`` on the previous
-    one. ``extra``: more sharded entries (the reference model's weights, the R2PO head)."""
+    one. ``extra``: more sharded entries (the reference model's weights, the R2PO head);
+    ``files``: JSON files to keep in it (the recipe)."""
     root = Path(run_dir) / "checkpoints"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -216,9 +218,13 @@ def save_training_checkpoint(
         "trainer": dict(trainer_state, step=step),
         **(extra or {}),
     }
-    final = save_model_state(
-        chunks, root / f"step_{step:06d}", state=state, rank_payload=_rng_state()
-    )
+    try:
+        final = save_model_state(
+            chunks, root / f"step_{step:06d}", extra_files=files, state=state,
+            rank_payload=_rng_state(),
+        )  # fmt: skip
+    except _WRITE_ERRORS as e:  # e.g. a full disk (torch DCP re-raises it on every rank)
+        raise _save_failed(root, step, e) from None
     if rank == 0:
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(final.name)
@@ -228,6 +234,42 @@ def save_training_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _write_errors() -> tuple:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    return (OSError, RuntimeError, CheckpointException)
+
+
+_WRITE_ERRORS = _write_errors()
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def _save_failed(root: Path, step: int, err: BaseException) -> CheckpointError:
+    """The one-line error of a failed save, after removing its partial ``.tmp`` directory (the
+    previous checkpoint and ``latest`` were never touched)."""
+    tmp = root / f"step_{step:06d}.tmp"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    partial = _dir_bytes(tmp) if tmp.is_dir() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = _step_dirs(root)
+    need = _dir_bytes(done[-1]) if done else partial
+    free = shutil.disk_usage(root).free
+    prev = f"{done[-1].name} and {LATEST} are intact" if done else "no earlier checkpoint"
+    failures = getattr(err, "failures", None)  # torch DCP: {rank: the exception it raised}
+    if failures:
+        err = next(iter(failures.values()))
+        err = getattr(err, "__cause__", None) or err
+    why = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return CheckpointError(
+        f"saving checkpoint step_{step:06d} in {root} failed ({why}); it needs about {need} "
+        f"bytes and {free} are free there; {prev}"
+    )
 
 
 def _step_dirs(root: Path):

@@ -51,6 +51,8 @@ class RunConfig:
         status 75 (:mod:`megatron_p3o.preemption`; a ``STOP`` file in the run directory does
         the same).
     exit_after_minutes: the same after this much wall clock (None: no budget).
+    allow_config_change: resume although training-relevant keys differ from the checkpoint's
+        recipe (they are then logged; see :func:`config_changes`).
     """
 
     name: str = "run"
@@ -58,6 +60,7 @@ class RunConfig:
     seed: int = 1234
     exit_signals: List[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     exit_after_minutes: Optional[float] = None
+    allow_config_change: bool = False
 
     def __post_init__(self):
         import signal
@@ -501,3 +504,33 @@ def load_config(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Tr
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# Keys a resumed run may change freely: where and how long it runs, its layout, logging,
+# evaluation, checkpoint cadence, where the servers are and how weights reach them.
+RESUME_FREE = (
+    "run.", "steps", "parallel.", "checkpoint.", "eval.", "wandb.", "data.eval_",
+    "model.checkpoint", "model.hf_config", "rollout.sglang.", "rollout.sglang_workers",
+    "rollout.weight_sync", "rollout.device",
+)  # fmt: skip
+
+
+def _flat(d: dict, prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, now: dict) -> List[Tuple[str, Any, Any]]:
+    """``(key, saved value, current value)`` of every training-relevant key that differs
+    between the recipe a checkpoint was written with and the current one."""
+    a, b = _flat(saved), _flat(now)
+    return [
+        (k, a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if not k.startswith(RESUME_FREE) and a.get(k) != b.get(k)
+    ]

@@ -9,6 +9,7 @@ blanket ``filterwarnings("ignore")``.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 # (category, message regex, module regex): see ``warnings.filterwarnings``.
@@ -41,7 +42,29 @@ KNOWN = (
 )
 
 
+# (logger, message prefix) of log records that our own one-line errors already carry
+KNOWN_LOG_LINES = (
+    # a failed checkpoint write (e.g. a full disk): checkpoint.save_training_checkpoint's
+    # CheckpointError names the OS error, the directory and the bytes needed
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "Local process "),
+)
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
 def silence_known_warnings() -> None:
-    """Install the filters of :data:`KNOWN` (idempotent; before importing megatron.core)."""
+    """Install the filters of :data:`KNOWN` and :data:`KNOWN_LOG_LINES` (idempotent; before
+    importing megatron.core)."""
     for category, message, module in KNOWN:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, prefix in KNOWN_LOG_LINES:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefix) and f.prefix == prefix for f in log.filters):
+            log.addFilter(_DropPrefix(prefix))

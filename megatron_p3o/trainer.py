@@ -45,6 +45,7 @@ from .run_log import RunLog
 from .types import SamplingParams, TrainBatch
 from .weight_sync.source import TrainerWeights
 
+CONFIG_FILE = "config.json"  # in each checkpoint: the recipe it was trained with
 _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -145,6 +146,7 @@ class Trainer:
         )
         if self.resumed_from is None:
             return []
+        self._check_config_change(cfg, say)
         # the same command again continues the run
         st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
         self.step_idx = int(st["step"])
@@ -153,6 +155,28 @@ class Trainer:
         if self.r2po is not None:
             self.r2po.head.load(self.resumed_from, int(st.get("rollout_head_adam_step", 0)))
         return self._load_rank_state(st["ranks"])
+
+    def _check_config_change(self, cfg: TrainConfig, say) -> None:
+        """Resuming with other training-relevant keys than the checkpoint's recipe: refused
+        (one line, every key with both values) unless ``run.allow_config_change``."""
+        import json
+
+        from .config import config_changes
+
+        saved = self.resumed_from / CONFIG_FILE
+        if not saved.is_file():  # written before checkpoints kept their recipe
+            return
+        now = json.loads(json.dumps(to_dict(cfg)))  # as saved: tuples become lists
+        changes = config_changes(json.loads(saved.read_text()), now)
+        if not changes:
+            return
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
+        if not cfg.run.allow_config_change:
+            raise ConfigError(
+                f"resuming {self.resumed_from} with a different recipe ({listed}); use the "
+                "checkpoint's values, or --set run.allow_config_change=true to train on with them"
+            )
+        say(f"resuming with a changed recipe (run.allow_config_change): {listed}")
 
     def _build_rollout(self, cfg: TrainConfig, groups: ParallelGroups, pending: List[dict]):
         r = cfg.rollout
@@ -453,6 +477,7 @@ class Trainer:
             state,
             keep_last=self.cfg.checkpoint.keep_last,
             extra=extra,
+            files={CONFIG_FILE: to_dict(self.cfg)},  # the recipe (resume compares it)
         )
 
     def _load_rank_state(self, ranks: Dict[str, dict]) -> List[dict]:

@@ -199,3 +199,61 @@ def test_torn_checkpoints_fall_back_to_the_newest_that_verifies(base, tmp_path):
     r = _train(base, tmp_path, "torn0", 6)
     assert r.returncode == 2 and "no checkpoint under" in r.stderr, r.stderr[-2000:]
     assert r.stderr.count("\n") == 1 and "step_000004 is damaged (common.pt" in r.stderr
+
+
+@pytest.mark.e2e
+def test_resuming_with_another_recipe_is_refused_unless_allowed(base, tmp_path):
+    """The checkpoint keeps its recipe: resuming with other training-relevant keys (here the
+    learning rate and the objective's batch) stops with one line naming every key and both
+    values; run.allow_config_change=true trains on and logs them; the run's length, layout and
+    evaluation may change freely."""
+    a = _train(base, tmp_path, "run", 2)
+    assert a.returncode == 0, a.stderr[-3000:]
+    changed = ("--set", "optim.lr=0.001", "--set", "batch.prompts_per_rollout=4")
+    r = _train(base, tmp_path, "run", 4, *changed)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert (
+        "optim.lr: 0.0002 -> 0.001" in r.stderr and "batch.prompts_per_rollout: 8 -> 4" in r.stderr
+    )
+    r = _train(base, tmp_path, "run", 3, *changed, "--set", "run.allow_config_change=true")
+    assert r.returncode == 0 and "resuming with a changed recipe" in r.stdout, r.stderr[-2000:]
+    r = _train(base, tmp_path, "run", 4, *changed, "--set", "run.allow_config_change=true",
+               "--set", "data.eval_every=0")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), no kill
+import megatron_p3o.checkpoint as ck
+orig, calls = ck.save_model_state, {"n": 0}
+def limited(*a, **k):
+    calls["n"] += 1
+    if calls["n"] == 2:  # the second save meets a filesystem with no room (4 KiB per file)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    return orig(*a, **k)
+ck.save_model_state = limited
+from megatron_p3o.train import main
+from megatron_p3o.errors import run_cli
+run_cli(main, "megatron_p3o.train")
+"""
+
+
+@pytest.mark.e2e
+def test_a_save_that_fails_keeps_the_previous_checkpoint(base, tmp_path):
+    """A save that cannot be written (the process's file-size limit stands in for a full
+    filesystem: every write past it fails with an OS error, as on a full disk) stops the run
+    with one line naming the directory and the bytes needed; the partial directory is removed,
+    the previous checkpoint and ``latest`` are intact and the same command resumes from them."""
+    from megatron_p3o.checkpoint import LATEST
+    from megatron_p3o.manifest import check
+
+    r = _train(base, tmp_path, "full", 4, code=FULL_DISK)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    root = tmp_path / "full" / "checkpoints"
+    assert f"saving checkpoint step_000004 in {root} failed (" in r.stderr
+    assert "bytes and" in r.stderr and "step_000002 and latest are intact" in r.stderr
+    assert (root / LATEST).read_text().strip() == "step_000002"
+    assert not (root / "step_000004.tmp").exists() and check(root / "step_000002") is None
+    r = _train(base, tmp_path, "full", 4)
+    assert r.returncode == 0 and "step_000002" in r.stdout, r.stderr[-3000:]
