@@ -116,15 +116,23 @@ def _hf_logprobs(cfg: dict, named: list, prompt: list, completion: list) -> torc
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
-def test_a_push_mid_generation_labels_tokens_per_version(served):
-    """Long requests in flight while a tensor push lands: SGLang retracts them and resumes them
-    under the new weights. Each such sample comes back with both versions per token, in order,
-    and each token's ℓb is the log-prob under the weights that sampled it."""
+@pytest.mark.parametrize("mode", ["tensor", "disk"])
+def test_a_push_mid_generation_labels_tokens_per_version(served, mode, tmp_path):
+    """Long requests in flight while a push lands (tensor payloads, or a disk push as async
+    rollouts make them: without a retracting session SGLang cannot flush its cache and answers
+    400): SGLang retracts them and resumes them under the new weights. Each such sample comes
+    back with both versions per token, in order, and each token's ℓb is the log-prob under the
+    weights that sampled it."""
     fleet, _, base_w, cfg, _ = served
     server = fleet.workers[0]
     v_old, v_new = _perturbed(base_w, 11), _perturbed(base_w, 12)
     fleet.transport = "tensor"
     fleet.update_weights(iter([v_old]), 11)
+    if mode == "disk":
+        out = tmp_path / "v12"
+        out.mkdir()
+        save_file(dict(v_new), str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(cfg))
     body = {
         "input_ids": PROMPTS[0],
         "sampling_params": {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True},
@@ -145,7 +153,10 @@ def test_a_push_mid_generation_labels_tokens_per_version(served):
         t.start()
     time.sleep(0.5)  # decoding: 6 × 400 tokens take several seconds on CPU
     assert not results, "the requests finished before the push: make them longer"
-    fleet.update_weights(iter([v_new]), 12)
+    if mode == "disk":
+        fleet.update_weights_from_disk(str(out), 12)
+    else:
+        fleet.update_weights(iter([v_new]), 12)
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors

@@ -161,7 +161,8 @@ def servers():
 
 def _engine(srv, **kw):
     eng = SGLangEngine(SGLangConfig(url=srv.url, startup_timeout_s=10, max_retries=0, **kw))
-    eng._group = (_NoGroup(), "p3o_weight_sync", "gloo")  # broadcasts go nowhere
+    eng._group = "p3o_weight_sync"  # joined ...
+    eng.solo()._group = (_NoGroup(), "p3o_weight_sync", "gloo")  # ... and broadcasts go nowhere
     return eng
 
 
@@ -179,6 +180,7 @@ class _NoGroup:
 def test_pushes_are_bracketed_per_worker(servers):
     a, b = servers(), servers()
     fleet = SGLangFleet(_engine(a), [_engine(a), _engine(b)])
+    fleet._group = (_NoGroup(), "p3o_weight_sync", "gloo")  # one group spanning both
     fleet.update_weights(iter([BUCKET, BUCKET, BUCKET]), version=7)
     for srv in (a, b):
         assert srv.paths() == [
@@ -195,7 +197,7 @@ def test_pushes_are_bracketed_per_worker(servers):
 def test_the_stand_in_refuses_a_push_outside_a_session(servers):
     srv = servers()
     with pytest.raises(EngineResponseError, match="outside a weight-update session"):
-        _engine(srv).push_bucket(BUCKET, 1, last=True)
+        _engine(srv).solo()._broadcast_bucket(BUCKET, 1, last=True)
 
 
 def test_samples_never_carry_a_version_the_server_does_not_hold(servers):

@@ -87,6 +87,7 @@ class SGLangEngine(RolloutEngine):
         self.restarts = 0
         self.weight_version = 0
         self._group = None  # the weight-update group this server joined (its name)
+        self._solo = None  # this server as a fleet of one (see solo)
         self._last_disk: Optional[Tuple[str, int]] = None  # (path, version) of the last disk push
         self._lock = threading.Lock()  # one recovery at a time
         self._epoch = 0  # bumped by each recovery: requests that failed before it just retry
@@ -303,7 +304,10 @@ class SGLangEngine(RolloutEngine):
             self._post_checked("/continue_generation", {})
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        self._post_checked("/update_weights_from_disk", disk_payload(model_path, version))
+        """Inside a session like every push: with requests in flight (async rollouts) SGLang
+        cannot flush its cache and answers 400, unless they are retracted first."""
+        with self.weight_update_session():
+            self._post_checked("/update_weights_from_disk", disk_payload(model_path, version))
         self.weight_version = version
         self._last_disk = (model_path, version)
 
@@ -319,11 +323,20 @@ class SGLangEngine(RolloutEngine):
         self._post_checked("/init_weights_update_group", body)
         self._group = name
 
+    def solo(self):
+        """This server as a fleet of one (its weight group lives there)."""
+        if self._solo is None:
+            from .fleet import SGLangFleet
+
+            self._solo = SGLangFleet(self, [self])
+        return self._solo
+
+    def init_weight_update_group(self, master_address: str, master_port: int) -> None:
+        self.solo().init_weight_update_groups(master_address, master_port)
+
     def update_weights(self, buckets, version: int) -> None:
         """One weight-update session over the process group (a fleet of one server)."""
-        from .fleet import SGLangFleet
-
-        SGLangFleet(self, [self]).update_weights(buckets, version)
+        self.solo().update_weights(buckets, version)
 
     def push_tensors(self, payloads: Sequence[str], version: int, last: bool) -> None:
         """One bucket as serialized tensors inside a session: payload r for server TP rank r."""
