@@ -37,30 +37,24 @@ import torch
 
 from megatron_p3o.parallel import Layout
 
+DENSE = dict(
+    architecture="Qwen3ForCausalLM",
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    tie_word_embeddings=False,
+)
 DESCS = {
-    "dense": dict(
-        architecture="Qwen3ForCausalLM",
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-        tie_word_embeddings=False,
-    ),
+    "dense": DENSE,
     "moe": dict(
+        DENSE,
         architecture="Qwen3MoeForCausalLM",
         vocab_size=290,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-        tie_word_embeddings=False,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
