@@ -56,6 +56,29 @@ class RunLog:
         if wandb.enabled and wandb.mode != "disabled":
             self.wb = _start_wandb(run_dir, config, wandb, resumed)
 
+    def rewind(self, step: int) -> int:
+        """A run resumed at ``step`` after a crash (kill -9, a lost node) trains the steps after
+        it again: their earlier records leave metrics.jsonl and eval.jsonl for
+        ``<file>.rewound`` (kept, appended), so each step has one line. Returns how many moved."""
+        if not self.active:
+            return 0
+        moved = 0
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            path = self.run_dir / name
+            if not path.is_file():
+                continue
+            lines = path.read_text().splitlines(keepends=True)
+            keep = [x for x in lines if _step_of(x) <= step]
+            if len(keep) == len(lines):
+                continue
+            with open(path.with_name(name + ".rewound"), "a") as f:
+                f.writelines(x for x in lines if _step_of(x) > step)
+            tmp = path.with_name(name + ".tmp")
+            tmp.write_text("".join(keep))
+            tmp.replace(path)
+            moved += len(lines) - len(keep)
+        return moved
+
     def log(self, step: int, metrics: Dict, prefix: str = "train/", jsonl: str = "") -> None:
         """One record: a line of ``jsonl`` (everything; default metrics.jsonl, one line per
         trainer step — evaluations go to eval.jsonl), scalars to TensorBoard and W&B,
@@ -87,6 +110,14 @@ class RunLog:
         if self.wb is not None:
             self.wb.finish()
             self.wb = None
+
+
+def _step_of(line: str) -> float:
+    """The ``step`` of one JSONL record; a torn last line (the crash cut it) counts as later."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def _wandb_hist(counts: List[float]):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -94,8 +94,8 @@ class Trainer:
         self.reward_fn = build_reward(cfg.reward.kind, cfg.reward.function)
         self.replay = ReplayBuffer(cfg.replay)
         self.fifo = TrajectoryFIFO(cfg.replay, cfg.run.seed, groups.dp_rank)
-        pending = self._open_run(cfg, groups)
-        self.rollout = self._build_rollout(cfg, groups, pending)
+        resume = self._open_run(cfg, groups)
+        self.rollout = self._build_rollout(cfg, groups, resume)
 
     def _build_model(self, cfg: TrainConfig, groups: ParallelGroups, ckpt: Path) -> None:
         meta = read_meta(ckpt)
@@ -132,10 +132,10 @@ class Trainer:
             cfg.loss.logprob_chunk,
         )  # fmt: skip
 
-    def _open_run(self, cfg: TrainConfig, groups: ParallelGroups) -> List[dict]:
+    def _open_run(self, cfg: TrainConfig, groups: ParallelGroups) -> Optional[dict]:
         """The run directory (config.json, metrics.jsonl, TensorBoard, W&B on rank 0) and, when
-        it holds a checkpoint, the resume; returns pending re-evaluation requests of this DP
-        rank."""
+        it holds a checkpoint, the resume; returns this DP rank's rollout state (batches made
+        but not trained on, pending re-evaluations, older rollout weights) or None."""
         self.step_idx = 0
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.rank0 = groups.rank == 0
@@ -145,16 +145,28 @@ class Trainer:
             self.run_dir, to_dict(cfg), cfg.wandb, self.rank0, self.resumed_from is not None
         )
         if self.resumed_from is None:
-            return []
+            return None
         self._check_config_change(cfg, say)
         # the same command again continues the run
         st = load_training_checkpoint(self.resumed_from, self.chunks, self.opt, self.sched)
         self.step_idx = int(st["step"])
+        rewound = self.log.rewind(self.step_idx)  # records of steps trained after it (a crash)
+        if rewound:
+            say(f"resuming at step {self.step_idx}: {rewound} records of later steps moved to "
+                "metrics.jsonl.rewound / eval.jsonl.rewound")  # fmt: skip
         if self.reference is not None:
             self.reference.load(self.resumed_from, int(st.get("reference_reset_step", 0)))
         if self.r2po is not None:
             self.r2po.head.load(self.resumed_from, int(st.get("rollout_head_adam_step", 0)))
-        return self._load_rank_state(st["ranks"])
+        resume = self._load_rank_state(st["ranks"], say)
+        old = st.get("rollout_weights")
+        if old is not None and old["tensors"] is None:  # pushed to a server: not kept
+            say(f"the rollout weights of version {old['version']} were pushed to the server and "
+                f"are not in {self.resumed_from.name}: until the next sync point batches are "
+                f"made with its weights (version {self.step_idx})")  # fmt: skip
+        elif old is not None:
+            resume["weights"] = old
+        return resume
 
     def _check_config_change(self, cfg: TrainConfig, say) -> None:
         """Resuming with other training-relevant keys than the checkpoint's recipe: refused
@@ -178,7 +190,7 @@ class Trainer:
             )
         say(f"resuming with a changed recipe (run.allow_config_change): {listed}")
 
-    def _build_rollout(self, cfg: TrainConfig, groups: ParallelGroups, pending: List[dict]):
+    def _build_rollout(self, cfg: TrainConfig, groups: ParallelGroups, resume: Optional[dict]):
         r = cfg.rollout
         engine_sampling = self.sampling
         if r.engine_temperature is not None:  # deliberate mismatch (stress experiments)
@@ -193,7 +205,7 @@ class Trainer:
         head = self.r2po.head.hf_tensors if self.r2po is not None else None
         weights = TrainerWeights(self.chunks, groups, self.desc, extra=head)
         return build_backend(
-            r, groups, weights, self.data, self._score, shard, self.step_idx, pending,
+            r, groups, weights, self.data, self._score, shard, self.step_idx, resume,
             cfg.model.params_dtype, self.tok.pad_token_id or 0, rollout_head=head is not None,
             log_dir=str(self.run_dir / "sglang"),
         )  # fmt: skip
@@ -344,6 +356,7 @@ class Trainer:
             / max(seconds["train_s"], 1e-9),
             **stale,
             "weight_version": self.step_idx,
+            "rollout_weights": self.rollout.weights_state(),  # identical on every rank
             "lr": self.opt.param_groups[0]["lr"],
         }
         self._reduce_rollout_metrics(out)
@@ -448,8 +461,10 @@ class Trainer:
         return metrics
 
     def save_checkpoint(self) -> Path:
-        """Model, optimizer, scheduler, RNG, step, and per DP rank: the data cursor of the next
-        rollout batch, pending re-evaluation requests and the replay buffer."""
+        """Model, optimizer, scheduler, RNG, step; per DP rank the rollout batches made but not
+        trained on (async K ≥ 1), the data cursor after them, pending re-evaluation requests and
+        the replay buffer; the rollout weights when lagged sync still owes batches to older
+        ones."""
         g = self.groups
         mine = None
         if g.is_dp_leader:
@@ -462,6 +477,7 @@ class Trainer:
         state = {
             "ranks": {str(r): v for r, v in (x for x in parts if x is not None)},
             "weight_version": self.step_idx,
+            "rollout_weights": self.rollout.weights_state(),  # identical on every rank
             "reference_reset_step": ref.reset_step if ref is not None else 0,
         }
         extra = ref.sharded_state() if ref is not None else {}
@@ -480,25 +496,35 @@ class Trainer:
             files={CONFIG_FILE: to_dict(self.cfg)},  # the recipe (resume compares it)
         )
 
-    def _load_rank_state(self, ranks: Dict[str, dict]) -> List[dict]:
-        """Restore this DP rank's cursor and buffer; returns its pending re-evaluation requests.
-        A different DP size remaps the cursors and deals stored groups out round-robin."""
+    def _load_rank_state(self, ranks: Dict[str, dict], say) -> dict:
+        """Restore this DP rank's cursor and buffer; returns its rollout state. A different DP
+        size remaps the cursors (to before the carried batches, which are made again) and deals
+        stored groups out round-robin."""
         dp, r = self.groups.layout.dp, self.groups.dp_rank
         if len(ranks) == dp:
             mine = ranks[str(r)]
             self.data.load_state(mine["rollout"]["data"])
             self.replay.load_state(mine["replay"])
             self.fifo.load_state(mine["replay"])
-            return mine["rollout"]["pending"]
+            return {k: mine["rollout"].get(k, []) for k in ("pending", "carried")}
         old = [ranks[str(i)] for i in range(len(ranks))]
-        self.data.load_state(remap_states([o["rollout"]["data"] for o in old], dp)[r])
+        carried = [o["rollout"].get("carried", []) for o in old]
+        if any(carried):
+            say(f"dp {len(ranks)} -> {dp}: the {len(carried[0])} rollout batches made before the "
+                "checkpoint are made again with its weights")  # fmt: skip
+        cursors = [c[0]["data_state"] if c else o["rollout"]["data"] for o, c in zip(old, carried)]
+        self.data.load_state(remap_states(cursors, dp)[r])
         stored = [x for o in old for x in o["replay"]["stored"]]
         difficult = [x for o in old for x in o["replay"]["difficult"]]
         difficult += [x for o in old for p in o["rollout"]["pending"] for x in p["reeval"]]
+        difficult += [
+            [g["index"], g["prompt_ids"], g["answer"]]
+            for c in carried for b in c for g in b["groups"] if g["source"] == "reeval"
+        ]  # fmt: skip
         self.replay.load_state({"stored": stored[r::dp], "difficult": difficult[r::dp]})
         fifo = [x for o in old for x in o["replay"].get("fifo", [])]
         self.fifo.load_state({"fifo": fifo[r::dp]})
-        return []
+        return {}
 
     def close(self) -> None:
         """Stop the rollout backend (its thread, servers it launched) and close the logs."""

@@ -48,12 +48,22 @@ class RolloutBackend(abc.ABC):
         cfg: RolloutConfig,
         shard: RolloutShard,
         start: int,
-        pending: Sequence[dict],
+        resume: Optional[dict] = None,
     ):
+        """``resume``: a checkpoint's :meth:`state` of this DP rank, plus ``weights`` (the
+        scheduler's :meth:`~.scheduler.RolloutScheduler.weights_state`, tensors present)."""
         self.engine, self.weights, self.cfg = engine, weights, cfg
         self.scheduler: Optional[RolloutScheduler] = None
-        initial = self._sync(start)  # the engine gets the trainer's weights (resumed runs too)
-        self.scheduler = RolloutScheduler(engine, data, score, cfg, shard, start, initial, pending)
+        resume = resume or {}
+        old = resume.get("weights")
+        if old is not None:  # lagged sync: batches are still due from the last sync's weights
+            initial, version = LoadWeights(list(old["tensors"].items())), int(old["version"])
+        else:  # the engine gets the trainer's weights (resumed runs too)
+            initial, version = self._sync(start), None
+        self.scheduler = RolloutScheduler(
+            engine, data, score, cfg, shard, start, initial, resume.get("pending", ()),
+            resume.get("carried", ()), version,
+        )  # fmt: skip
 
     @abc.abstractmethod
     def _sync(self, version: int) -> WeightUpdate:
@@ -85,8 +95,13 @@ class RolloutBackend(abc.ABC):
         self.scheduler.publish(Publication(step, version, update, list(reeval)))
 
     def state(self) -> dict:
-        """The data cursor before the next unconsumed batch and pending re-evaluations."""
+        """Batches made but not trained on, the data cursor after them, pending
+        re-evaluations."""
         return self.scheduler.state()
+
+    def weights_state(self) -> Optional[dict]:
+        """The rollout weights batches after a checkpoint are still due from, when older."""
+        return self.scheduler.weights_state()
 
     def stop(self) -> None:
         if self.scheduler is not None:
@@ -136,9 +151,9 @@ class SGLangBackend(RolloutBackend):
     """One SGLang server (or router) for the whole job, driven from global rank 0
     (:mod:`.central`); weights stream to rank 0 and are pushed at every sync point."""
 
-    def __init__(self, producer, evaluator, weights, data, score, cfg, shard, start, pending):
+    def __init__(self, producer, evaluator, weights, data, score, cfg, shard, start, resume):
         self.evaluator = evaluator  # a second view with its own object group (see central)
-        super().__init__(producer, weights, data, score, cfg, shard, start, pending)
+        super().__init__(producer, weights, data, score, cfg, shard, start, resume)
 
     def _sync(self, version: int) -> WeightUpdate:
         from ..weight_sync import iter_hf_buckets
@@ -175,7 +190,7 @@ def build_backend(
     score: ScoreFn,
     shard: RolloutShard,
     start: int,
-    pending: Sequence[dict],
+    resume: Optional[dict],
     params_dtype: str,
     pad_token_id: int,
     rollout_head: bool = False,
@@ -196,7 +211,7 @@ def build_backend(
             logit_noise=cfg.logit_noise, fp8_kv_cache=cfg.fp8_kv_cache,
             rollout_head=rollout_head,
         )  # fmt: skip
-        return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, pending)
+        return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, resume)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
     if cfg.sglang.quantization == "fp8":
         from ..weight_sync.fp8 import quantization_config
@@ -204,7 +219,7 @@ def build_backend(
         hf["quantization_config"] = quantization_config()
     producer, evaluator = _central_engines(cfg, groups, hf, log_dir)
     try:
-        return SGLangBackend(producer, evaluator, weights, data, score, cfg, shard, start, pending)
+        return SGLangBackend(producer, evaluator, weights, data, score, cfg, shard, start, resume)
     except BaseException:
         producer.stop()
         raise

@@ -20,6 +20,16 @@ it under the newer weights, so one sample may hold tokens of two versions
 K = 0 generates inline when the trainer asks; K ≥ 1 runs a producer thread that rolls out batch
 j + 1 … j + K while the trainer trains on batch j (the overlap AReaL/slime-style async gives).
 
+Checkpoints (:meth:`RolloutScheduler.state`). After step c − 1 the batches c … c + K − 1 were made
+with weights older than the checkpoint's (versions ≤ c − 1), which a resumed run no longer has:
+the checkpoint *carries* them whole (waiting for the producer to finish them), and records the
+data cursor before batch c + K and the re-evaluation requests batches from c + K on consume. With
+lagged sync (L > 1) batches after c may still be due from the last sync point's weights (version
+v < c): :meth:`RolloutScheduler.weights_state` gives them (their tensors when this scheduler
+loads them; a server the backend pushed to keeps only their version). A resumed run then trains
+on exactly the samples of the uninterrupted one (issue 25; the lost or mislabelled samples after
+recovery that NeMo-RL #3599, AReaL #1388 and slime #2092 report).
+
 Each batch is scored here (rewards are cheap next to generation) so DAPO dynamic sampling can
 refill groups with no learning signal (all rewards equal) from fresh prompts, up to a bound of
 rounds. Injected noise on the behaviour log-probs (stress experiments) is applied here too.
@@ -27,10 +37,9 @@ rounds. Injected noise on the behaviour log-probs (stress experiments) is applie
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -91,6 +100,20 @@ class RolloutResult:
     stats: Dict[str, float]
     dropped: List[Group] = field(default_factory=list)  # groups replaced by dynamic sampling
 
+    def to_state(self) -> dict:
+        """Plain containers (lists, dicts, tensors) for a checkpoint's common state."""
+        return asdict(self)
+
+    @staticmethod
+    def from_state(d: dict) -> "RolloutResult":
+        def group(g: dict) -> Group:
+            return Group(**{**g, "samples": [Sample(**x) for x in g["samples"]]})
+
+        return RolloutResult(
+            int(d["index"]), [group(g) for g in d["groups"]], dict(d["data_state"]),
+            dict(d["stats"]), [group(g) for g in d["dropped"]],
+        )  # fmt: skip
+
 
 class RolloutScheduler:
     """Produces rollout batch ``start``, ``start + 1``, … by the rule in the module docstring."""
@@ -105,13 +128,19 @@ class RolloutScheduler:
         start: int,
         initial: WeightUpdate,
         pending: Sequence[dict] = (),
+        carried: Sequence[dict] = (),
+        initial_version: Optional[int] = None,
     ):
+        """``initial``: the weights batches from ``start + len(carried)`` on begin with, as
+        version ``initial_version`` (default ``start``; older under lagged sync, see
+        :meth:`weights_state`); ``pending``, ``carried``: a checkpoint's :meth:`state`."""
         self.engine, self.data, self.score = engine, data, score
         self.cfg, self.shard = cfg, shard
         self.start, self.consumed = start, start
         self.engine_lock = threading.RLock()
         self._cond = threading.Condition()
-        self._pubs: Dict[int, Publication] = {start - 1: Publication(start - 1, start, initial)}
+        v0 = start if initial_version is None else initial_version
+        self._pubs: Dict[int, Publication] = {start - 1: Publication(start - 1, v0, initial)}
         # re-evaluation requests published before a checkpoint, not yet rolled out
         for p in pending:
             old = self._pubs.get(int(p["step"]))
@@ -122,9 +151,16 @@ class RolloutScheduler:
                 [tuple(x) for x in p["reeval"]],
             )
         self._data_before: Dict[int, dict] = {}
+        # batches generated, not yet trained on: first those a checkpoint carried
+        self._ready: Dict[int, RolloutResult] = {}
+        for i, d in enumerate(carried):
+            res = RolloutResult.from_state(d)
+            if res.index != start + i:
+                raise ValueError(f"carried rollout batch {res.index}, expected {start + i}")
+            self._ready[res.index] = res
+        self._produce_from = start + len(carried)
         self._error: Optional[BaseException] = None
         self._stop = False
-        self._queue: "queue.Queue[RolloutResult]" = queue.Queue()
         self._thread = None
         if cfg.max_staleness > 0:
             self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
@@ -145,19 +181,13 @@ class RolloutScheduler:
         """Rollout batch ``consumed`` (blocks until it is generated)."""
         j = self.consumed
         if self._thread is None:
-            res = self._produce(j)
+            res = self._ready.pop(j, None) or self._produce(j)
         else:
-            while True:
-                try:
-                    res = self._queue.get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    if isinstance(self._error, UserError):
-                        raise self._error from None  # bad rollout data: the user's message
-                    if self._error is not None:
-                        raise RuntimeError(f"rollout producer failed on batch {j}") from self._error
-                    if not self._thread.is_alive():
-                        raise RuntimeError("rollout producer thread died") from None
+            with self._cond:
+                while j not in self._ready:
+                    self._raise_producer_error(j)
+                    self._cond.wait(timeout=1.0)
+                res = self._ready.pop(j)
         assert res.index == j, (res.index, j)
         self.consumed += 1
         with self._cond:  # a checkpoint from now on restarts at batch `consumed`
@@ -166,28 +196,54 @@ class RolloutScheduler:
             self._data_before = {k: v for k, v in self._data_before.items() if k >= self.consumed}
         return res
 
+    def _raise_producer_error(self, j: int) -> None:
+        if isinstance(self._error, UserError):
+            raise self._error from None  # bad rollout data: the user's message
+        if self._error is not None:
+            raise RuntimeError(f"rollout producer failed on batch {j}") from self._error
+        if self._thread is not None and not self._thread.is_alive():
+            raise RuntimeError("rollout producer thread died") from None
+
     def state(self) -> dict:
-        """What a checkpoint after ``consumed`` batches needs to roll out batch ``consumed``
-        again."""
-        j = self.consumed
-        if self._thread is None or (self.shard.end is not None and j >= self.shard.end):
-            data = self.data.state()  # nothing in flight: the producer stopped at the end
-        else:
-            with self._cond:
-                while j not in self._data_before and self._error is None:
-                    self._cond.wait(timeout=1.0)
-                if isinstance(self._error, UserError):
-                    raise self._error
-                if self._error is not None:
-                    raise RuntimeError("rollout producer failed") from self._error
-                data = self._data_before[j]
+        """What a checkpoint after ``consumed`` = c batches needs (module docstring): the batches
+        c … c + K − 1 whole (``carried``; this waits until the producer made them), the data
+        cursor before batch c + K and the re-evaluation requests from publication c − 1 on."""
+        c, k, end = self.consumed, self.cfg.max_staleness, self.shard.end
+        upto = c + k if end is None else min(c + k, end)
         with self._cond:
+            while True:
+                missing = [i for i in range(c, upto) if i not in self._ready]
+                if not missing and (
+                    upto in self._data_before or self._thread is None or upto == end
+                ):
+                    break
+                self._raise_producer_error(missing[0] if missing else upto)
+                self._cond.wait(timeout=1.0)
+            carried = [self._ready[i].to_state() for i in range(c, upto)]
+            # nothing in flight (inline, or the producer stopped at the end): the live cursor
+            data = self._data_before.get(upto) if self._thread is not None else None
             pending = [
                 {"step": p.step, "version": p.version, "reeval": [list(x) for x in p.reeval]}
                 for s, p in sorted(self._pubs.items())
-                if s >= j - self.cfg.max_staleness - 1 and s >= self.start and p.reeval
+                if s >= upto - k - 1 and p.reeval
             ]
-        return {"data": data, "pending": pending}
+        return {"data": data or self.data.state(), "pending": pending, "carried": carried}
+
+    def weights_state(self) -> Optional[dict]:
+        """Under lagged sync: the weights the batches after the checkpoint are due from when they
+        are older than the trainer's — ``{"version": v, "tensors": {name: tensor} | None}``
+        (None: an engine the backend pushed to, whose tensors the trainer no longer has);
+        None when they are the trainer's own (L = 1, or a sync point)."""
+        c = self.consumed
+        with self._cond:
+            pub = max(
+                (p for s, p in self._pubs.items() if p.weights.is_sync and s <= c - 1),
+                key=lambda p: p.step,
+            )
+        if pub.version >= c:
+            return None
+        tensors = dict(pub.weights.tensors) if isinstance(pub.weights, LoadWeights) else None
+        return {"version": pub.version, "tensors": tensors}
 
     def stop(self) -> None:
         with self._cond:
@@ -298,15 +354,20 @@ class RolloutScheduler:
         return RolloutResult(j, groups, before, stats, dropped)
 
     def _run(self) -> None:
-        j = self.start
+        j = self._produce_from
         try:
             while self.shard.end is None or j < self.shard.end:
-                self._queue.put(self._produce(j))
+                res = self._produce(j)
+                with self._cond:
+                    self._ready[j] = res
+                    self._cond.notify_all()
                 j += 1
         except _Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread by next()
-            self._error = e
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
 
 
 class _Stopped(Exception):

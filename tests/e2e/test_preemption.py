@@ -30,9 +30,9 @@ def _cmd(base, run_dir, name, steps, nproc, *extra):
             "--set", "data.eval_path=''", "--set", "checkpoint.every=100", *extra]  # fmt: skip
 
 
-def _run(cmd, run_dir, name, interrupt=None):
-    """Run ``cmd`` in a process group of its own; ``interrupt(proc)`` is called once the first
-    step is logged (then at a random moment within the next half second)."""
+def _run(cmd, run_dir, name, interrupt=None, after=1, within=0.5):
+    """Run ``cmd`` in a process group of its own; ``interrupt(proc)`` is called once ``after``
+    steps are logged, at a random moment within the next ``within`` seconds."""
     metrics = run_dir / name / "metrics.jsonl"
     with open(run_dir / f"{name}.log", "a") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV,
@@ -41,8 +41,8 @@ def _run(cmd, run_dir, name, interrupt=None):
             if interrupt is not None:
                 deadline = time.monotonic() + 600
                 while proc.poll() is None and time.monotonic() < deadline:
-                    if metrics.exists() and metrics.read_text().count("\n") >= 1:
-                        time.sleep(random.Random(name).uniform(0.0, 0.5))
+                    if metrics.exists() and metrics.read_text().count("\n") >= after:
+                        time.sleep(random.Random(name).uniform(0.0, within))
                         interrupt(proc)
                         break
                     time.sleep(0.1)
@@ -127,3 +127,34 @@ def test_stop_file_under_torchrun_and_the_wall_clock_budget(base, tmp_path):
     rc, log = _run(budget, tmp_path, "budget")
     assert rc == EXIT_PREEMPTED and "(run.exit_after_minutes)" in log, log[-3000:]
     assert _stopped_at(log) == 1
+
+
+@pytest.mark.e2e
+def test_async_run_killed_then_signalled_trains_on_the_same_samples(base, tmp_path):
+    """Issue 25, item 4. Asynchronous rollouts with staleness K=2, BAPO replay (re-evaluation
+    requests in flight) and DAPO refills, a checkpoint every 2 steps: the batches made with
+    weights older than a checkpoint's travel in it. kill -9 of the run's process group at a
+    random moment (no chance to save: it resumes from the last periodic checkpoint, and the
+    records of the steps after it are rewound), then SIGTERM at a random moment of the resumed
+    run, then the same command to the end: every step trains on the samples of the uninterrupted
+    run (metrics: rewards, token counts, rollout versions, staleness; checkpoint tensors equal)."""
+    steps = 8
+    extra = ("--set", "rollout.max_staleness=2", "--set", "replay.policy=bapo",
+             "--set", "rollout.dynamic_sampling=true", "--set", "checkpoint.every=2")  # fmt: skip
+    rc, log = _run(_cmd(base, tmp_path, "straight", steps, 1, *extra), tmp_path, "straight")
+    assert rc == 0, log[-3000:]
+    cmd = _cmd(base, tmp_path, "cut", steps, 1, *extra)
+    rc, log = _run(cmd, tmp_path, "cut", lambda p: os.killpg(p.pid, signal.SIGKILL), 3, 1.0)
+    assert rc == -signal.SIGKILL, log[-3000:]
+    done = len((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines())
+    assert 3 <= done < steps
+    rc, log = _run(cmd, tmp_path, "cut", lambda p: os.kill(p.pid, signal.SIGTERM), done + 1)
+    assert rc == EXIT_PREEMPTED, log[-3000:]
+    assert "resumed from" in log and _stopped_at(log) < steps
+    rc, log = _run(cmd, tmp_path, "cut")
+    assert rc == 0, log[-3000:]
+    _assert_equal_runs(tmp_path, "straight", "cut", steps)
+    rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["staleness_max"] for r in rows) == 2 and [r["step"] for r in rows] == list(
+        range(1, steps + 1)
+    )

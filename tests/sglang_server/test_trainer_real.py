@@ -1,8 +1,8 @@
 """The trainer with rollouts from real SGLang 0.5.23 servers on CPU, launched by the trainer
 itself (``rollout.engine: sglang`` with ``rollout.sglang.model_path``): learning with fp32
-serving, the mismatch of bf16 serving, a server killed mid-run, two servers behind
-sglang-router with a TP=2 × PP=2 trainer, and the MoE recipe. Every run's servers are stopped by
-process group in teardown (``reap``), also when the run fails.
+serving, the mismatch of bf16 serving, a server killed mid-run, a stop with a batch in flight,
+two servers behind sglang-router with a TP=2 × PP=2 trainer, and the MoE recipe. Every run's
+servers are stopped by process group in teardown (``reap``), also when the run fails.
 """
 
 import json
@@ -28,7 +28,7 @@ KEY = f"p3o-trainer-test-key-{os.getpid()}"
 
 
 def _train(base, run_dir: Path, name: str, *sets, nproc=1, steps=3, recipe="tiny_cpu.yaml",
-           hf=None, env=None):  # fmt: skip
+           hf=None, env=None, rc=0):  # fmt: skip
     """One training run through the CLI with launched SGLang servers (fp32 unless set)."""
     launch = torchrun(nproc) if nproc > 1 else [sys.executable]
     sglang = {
@@ -47,7 +47,7 @@ def _train(base, run_dir: Path, name: str, *sets, nproc=1, steps=3, recipe="tiny
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})},
                        timeout=900)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:] + "\n" + log_tail(run_dir / name)
+    assert r.returncode == rc, r.stderr[-3000:] + "\n" + log_tail(run_dir / name)
     lines = (run_dir / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines], r
 
@@ -126,6 +126,31 @@ def test_a_server_killed_mid_run_is_relaunched_and_reloaded(base, reap):
     assert int((run / "sglang" / "server0.pid").read_text()) != killed[0]
     assert [x["step"] for x in m] == list(range(1, 5))
     assert all(x["staleness_max"] <= 1 for x in m)
+
+
+def test_a_stopped_async_run_trains_on_the_batch_it_had_in_flight(base, reap):
+    """K = 1: the run stops after step 1 (``run.exit_after_minutes``); batch 1 was started by the
+    server with version 0 before the checkpoint (version 1's push may retract and resume some
+    requests), so it travels in the checkpoint, and the resumed run (a new server, loaded with
+    version 1) trains on exactly those samples at step 2: their versions and mean reward are the
+    checkpoint's, not a new rollout's."""
+    import torch
+
+    from megatron_p3o.preemption import EXIT_PREEMPTED
+
+    sets = ("rollout.max_staleness=1", "data.eval_path=''")
+    _train(base, reap, "inflight", *sets, "run.exit_after_minutes=0.002", steps=3,
+           rc=EXIT_PREEMPTED)  # fmt: skip
+    common = torch.load(reap / "inflight/checkpoints/step_000001/common.pt", weights_only=True)
+    (batch,) = common["trainer"]["ranks"]["0"]["rollout"]["carried"]
+    samples = [x for g in batch["groups"] for x in g["samples"]]
+    versions = {x["weight_version"] for x in samples}  # version 1's push may land mid-batch
+    assert batch["index"] == 1 and versions <= {0, 1}
+    m, r = _train(base, reap, "inflight", *sets, steps=3)
+    assert "resumed from" in r.stdout and [x["step"] for x in m] == [1, 2, 3]
+    assert m[1]["rollout_version"] == 0 and m[1]["staleness_max"] == 1 - min(versions)
+    assert m[1]["reward_mean"] == pytest.approx(sum(x["reward"] for x in samples) / len(samples))
+    assert m[2]["rollout_version"] == 1
 
 
 def test_two_servers_behind_the_router_with_a_tp2_pp2_trainer(base, reap):

@@ -175,10 +175,12 @@ def test_dynamic_sampling_gives_up_after_max_rounds(tmp_path):
     assert len(res.groups) == 5
 
 
-def test_scheduler_state_restarts_the_same_batch(tmp_path):
-    """A checkpoint after step 0 (K=1: batch 1 is already in flight) holds the cursor before
-    batch 1 and the re-evaluation request published at step 0 (batch 2 uses it); a scheduler
-    restarted from that state rolls out the same batches 1 and 2."""
+def test_scheduler_state_carries_batches_made_with_older_weights(tmp_path):
+    """A checkpoint after step 0 with K=1: batch 1 was made with version 0, which a resumed run
+    no longer has, so the checkpoint carries it whole; it also holds the cursor before batch 2
+    and the re-evaluation request published at step 0 (batch 2 uses it). A scheduler restarted
+    from that state (with version 1, the checkpoint's weights) trains on the same batch 1
+    without generating it, and rolls out the same batch 2."""
     sched, eng, _ = make(tmp_path, K=1)
     sched.next()
     sched.publish(Publication(0, 1, LoadWeights(W), [(7, [7], "mixed")]))
@@ -188,21 +190,57 @@ def test_scheduler_state_restarts_the_same_batch(tmp_path):
     b2 = sched.next()
     sched.stop()
     assert st["pending"] == [{"step": 0, "version": 1, "reeval": [[7, [7], "mixed"]]}]
+    assert [b["index"] for b in st["carried"]] == [1]
     assert b2.groups[0].index == 7 and b2.groups[0].source == "reeval"
     data = PromptData(str(data_file(tmp_path)), Tok(), seed=3)
     data.load_state(st["data"])
+    eng2 = RecordingEngine()
     again = RolloutScheduler(
-        RecordingEngine(), data, score, sched.cfg, sched.shard, 1, LoadWeights(W), st["pending"]
-    )
+        eng2, data, score, sched.cfg, sched.shard, 1, LoadWeights(W), st["pending"],
+        st["carried"],
+    )  # fmt: skip
     b1r = again.next()
     again.publish(Publication(1, 2, LoadWeights(W)))
     b2r = again.next()
     again.stop()
-    assert [g.index for g in b1r.groups] == [g.index for g in b1.groups]
-    assert [g.index for g in b2r.groups] == [g.index for g in b2.groups]
-    assert [s.completion_ids for g in b2r.groups for s in g.samples] == [
-        s.completion_ids for g in b2.groups for s in g.samples
-    ]
+    # batch 1 was not generated again: the first call is batch 2, with version 1
+    assert eng2.calls[0][0] == 1 and 0 not in [c[0] for c in eng2.calls]
+    for x, y in ((b1, b1r), (b2, b2r)):
+        assert [g.index for g in y.groups] == [g.index for g in x.groups]
+        assert [(s.completion_ids, s.weight_version) for g in y.groups for s in g.samples] == [
+            (s.completion_ids, s.weight_version) for g in x.groups for s in g.samples
+        ]
+    assert {s.weight_version for g in b1r.groups for s in g.samples} == {0}
+
+
+def test_lagged_sync_state_keeps_the_older_weights(tmp_path):
+    """L=2, K=0: after step 2 (version 3) batch 3 is still due from version 2's weights; the
+    checkpoint's rollout weights are those (tensors and version); after step 3 (a sync point,
+    version 4) there are none to keep."""
+    sched, eng, _ = make(tmp_path, L=2)
+    w2 = [(n, t + 2) for n, t in W]
+    for j in range(3):
+        sched.next()
+        v = j + 1
+        w = LoadWeights(w2 if v == 2 else W) if v % 2 == 0 else NoWeights()
+        sched.publish(Publication(j, v, w))
+    ws, st = sched.weights_state(), sched.state()
+    assert ws["version"] == 2 and all(torch.equal(ws["tensors"][n], t) for n, t in w2)
+    b3 = sched.next()
+    sched.publish(Publication(3, 4, LoadWeights(W)))
+    assert sched.weights_state() is None
+    sched.stop()
+    data = PromptData(str(data_file(tmp_path)), Tok(), seed=3)
+    data.load_state(st["data"])
+    eng2 = RecordingEngine()
+    again = RolloutScheduler(
+        eng2, data, score, sched.cfg, sched.shard, 3, LoadWeights(list(ws["tensors"].items())),
+        st["pending"], st["carried"], initial_version=2,
+    )  # fmt: skip
+    b3r = again.next()
+    again.stop()
+    assert eng2.loads == [2] and {s.weight_version for g in b3r.groups for s in g.samples} == {2}
+    assert [g.index for g in b3r.groups] == [g.index for g in b3.groups]
 
 
 def _group(index, rewards, version=0, source="fresh"):
