@@ -356,7 +356,6 @@ class Trainer:
             / max(seconds["train_s"], 1e-9),
             **stale,
             "weight_version": self.step_idx,
-            "rollout_weights": self.rollout.weights_state(),  # identical on every rank
             "lr": self.opt.param_groups[0]["lr"],
         }
         self._reduce_rollout_metrics(out)

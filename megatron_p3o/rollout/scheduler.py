@@ -142,11 +142,11 @@ class RolloutScheduler:
         v0 = start if initial_version is None else initial_version
         self._pubs: Dict[int, Publication] = {start - 1: Publication(start - 1, v0, initial)}
         # re-evaluation requests published before a checkpoint, not yet rolled out
-        for p in pending:
+        for p in pending:  # the initial publication keeps its weights and their version
             old = self._pubs.get(int(p["step"]))
             self._pubs[int(p["step"])] = Publication(
                 int(p["step"]),
-                int(p["version"]),
+                old.version if old else int(p["version"]),
                 old.weights if old else NoWeights(),
                 [tuple(x) for x in p["reeval"]],
             )

@@ -131,23 +131,32 @@ def test_stop_file_under_torchrun_and_the_wall_clock_budget(base, tmp_path):
 
 @pytest.mark.e2e
 def test_async_run_killed_then_signalled_trains_on_the_same_samples(base, tmp_path):
-    """Issue 25, item 4. Asynchronous rollouts with staleness K=2, BAPO replay (re-evaluation
-    requests in flight) and DAPO refills, a checkpoint every 2 steps: the batches made with
-    weights older than a checkpoint's travel in it. kill -9 of the run's process group at a
+    """Issue 25, item 4. Asynchronous rollouts with staleness K=2, weights synced every L=2
+    steps, BAPO replay (re-evaluation requests in flight) and DAPO refills, a checkpoint every 3
+    steps: the batches made with weights older than a checkpoint's travel in it, and so do the
+    rollout weights of the last sync point when the checkpoint's step is not one. kill -9 of the run's process group at a
     random moment (no chance to save: it resumes from the last periodic checkpoint, and the
     records of the steps after it are rewound), then SIGTERM at a random moment of the resumed
     run, then the same command to the end: every step trains on the samples of the uninterrupted
     run (metrics: rewards, token counts, rollout versions, staleness; checkpoint tensors equal)."""
     steps = 8
     extra = ("--set", "rollout.max_staleness=2", "--set", "replay.policy=bapo",
-             "--set", "rollout.dynamic_sampling=true", "--set", "checkpoint.every=2")  # fmt: skip
+             "--set", "rollout.dynamic_sampling=true", "--set", "rollout.sync_every=2",
+             "--set", "checkpoint.every=3")  # fmt: skip
     rc, log = _run(_cmd(base, tmp_path, "straight", steps, 1, *extra), tmp_path, "straight")
     assert rc == 0, log[-3000:]
     cmd = _cmd(base, tmp_path, "cut", steps, 1, *extra)
-    rc, log = _run(cmd, tmp_path, "cut", lambda p: os.killpg(p.pid, signal.SIGKILL), 3, 1.0)
+    rc, log = _run(cmd, tmp_path, "cut", lambda p: os.killpg(p.pid, signal.SIGKILL), 4, 0.4)
     assert rc == -signal.SIGKILL, log[-3000:]
     done = len((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines())
-    assert 3 <= done < steps
+    assert 4 <= done < steps
+    ckpt = tmp_path / "cut" / "checkpoints"
+    ckpt = ckpt / (ckpt / "latest").read_text().strip()
+    common = torch.load(ckpt / "common.pt", weights_only=True)["trainer"]
+    n = common["step"]  # the engine still holds version n - 1 (odd n) or the trainer's (even)
+    assert len(common["ranks"]["0"]["rollout"]["carried"]) == 2  # batches n and n + 1
+    w = common["rollout_weights"]
+    assert (w is None) if n % 2 == 0 else (w["version"] == n - 1 and w["tensors"])
     rc, log = _run(cmd, tmp_path, "cut", lambda p: os.kill(p.pid, signal.SIGTERM), done + 1)
     assert rc == EXIT_PREEMPTED, log[-3000:]
     assert "resumed from" in log and _stopped_at(log) < steps
@@ -155,6 +164,7 @@ def test_async_run_killed_then_signalled_trains_on_the_same_samples(base, tmp_pa
     assert rc == 0, log[-3000:]
     _assert_equal_runs(tmp_path, "straight", "cut", steps)
     rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["staleness_max"] for r in rows) == 2 and [r["step"] for r in rows] == list(
+    # K + L − 1 = 3 versions behind at most; one line per step
+    assert max(r["staleness_max"] for r in rows) == 3 and [r["step"] for r in rows] == list(
         range(1, steps + 1)
     )

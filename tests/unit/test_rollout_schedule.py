@@ -216,14 +216,15 @@ def test_scheduler_state_carries_batches_made_with_older_weights(tmp_path):
 def test_lagged_sync_state_keeps_the_older_weights(tmp_path):
     """L=2, K=0: after step 2 (version 3) batch 3 is still due from version 2's weights; the
     checkpoint's rollout weights are those (tensors and version); after step 3 (a sync point,
-    version 4) there are none to keep."""
+    version 4) there are none to keep. Restarted from the state, batch 3 is made with version 2
+    and holds the re-evaluation published at step 2."""
     sched, eng, _ = make(tmp_path, L=2)
     w2 = [(n, t + 2) for n, t in W]
     for j in range(3):
         sched.next()
         v = j + 1
         w = LoadWeights(w2 if v == 2 else W) if v % 2 == 0 else NoWeights()
-        sched.publish(Publication(j, v, w))
+        sched.publish(Publication(j, v, w, [(7, [7], "mixed")] if j == 2 else []))
     ws, st = sched.weights_state(), sched.state()
     assert ws["version"] == 2 and all(torch.equal(ws["tensors"][n], t) for n, t in w2)
     b3 = sched.next()
@@ -241,6 +242,7 @@ def test_lagged_sync_state_keeps_the_older_weights(tmp_path):
     again.stop()
     assert eng2.loads == [2] and {s.weight_version for g in b3r.groups for s in g.samples} == {2}
     assert [g.index for g in b3r.groups] == [g.index for g in b3.groups]
+    assert b3r.groups[0].index == 7 and b3r.stats["rollout_version"] == 2  # reeval, version 2
 
 
 def _group(index, rewards, version=0, source="fresh"):
