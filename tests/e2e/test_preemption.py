@@ -7,6 +7,7 @@ tensors, metrics) to one that was never interrupted."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from .test_resume import _tensors
 from .test_tiny_recipe import _sets
 
 RECIPE = str(ROOT / "recipes/tiny_cpu.yaml")
+STEP_LINE = re.compile(r"^\s*step\s+\d+\s", re.M)  # the console's line for each trained step
 
 
 def _cmd(base, run_dir, name, steps, nproc, *extra):
@@ -31,17 +33,23 @@ def _cmd(base, run_dir, name, steps, nproc, *extra):
 
 
 def _run(cmd, run_dir, name, interrupt=None, after=1, within=0.5):
-    """Run ``cmd`` in a process group of its own; ``interrupt(proc)`` is called once ``after``
-    steps are logged, at a random moment within the next ``within`` seconds."""
-    metrics = run_dir / name / "metrics.jsonl"
-    with open(run_dir / f"{name}.log", "a") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV,
+    """Run ``cmd`` in a process group of its own; ``interrupt(proc)`` is called once it has
+    trained ``after`` steps (its own console lines: a resumed run counts from its checkpoint),
+    at a random moment within the next ``within`` seconds."""
+    path = run_dir / f"{name}.log"
+    offset = path.stat().st_size if path.exists() else 0
+    with open(path, "a") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**ENV, "PYTHONUNBUFFERED": "1"},
                                 start_new_session=True)  # fmt: skip
         try:
             if interrupt is not None:
                 deadline = time.monotonic() + 600
                 while proc.poll() is None and time.monotonic() < deadline:
-                    if metrics.exists() and metrics.read_text().count("\n") >= after:
+                    with open(path, "rb") as f:
+                        f.seek(offset)
+                        mine = f.read().decode(errors="replace")
+                    if len(STEP_LINE.findall(mine)) >= after:
                         time.sleep(random.Random(name).uniform(0.0, within))
                         interrupt(proc)
                         break
@@ -52,7 +60,7 @@ def _run(cmd, run_dir, name, interrupt=None, after=1, within=0.5):
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    return rc, (run_dir / f"{name}.log").read_text()
+    return rc, path.read_text()
 
 
 def _comparable(path):
@@ -134,11 +142,12 @@ def test_async_run_killed_then_signalled_trains_on_the_same_samples(base, tmp_pa
     """Issue 25, item 4. Asynchronous rollouts with staleness K=2, weights synced every L=2
     steps, BAPO replay (re-evaluation requests in flight) and DAPO refills, a checkpoint every 3
     steps: the batches made with weights older than a checkpoint's travel in it, and so do the
-    rollout weights of the last sync point when the checkpoint's step is not one. kill -9 of the run's process group at a
-    random moment (no chance to save: it resumes from the last periodic checkpoint, and the
-    records of the steps after it are rewound), then SIGTERM at a random moment of the resumed
-    run, then the same command to the end: every step trains on the samples of the uninterrupted
-    run (metrics: rewards, token counts, rollout versions, staleness; checkpoint tensors equal)."""
+    rollout weights of the last sync point when the checkpoint's step is not one. kill -9 of the
+    run's process group at a random moment (no chance to save: it resumes from the last periodic
+    checkpoint, and the records of the steps after it are rewound), then SIGTERM at a random
+    moment of the resumed run, then the same command to the end: every step trains on the
+    samples of the uninterrupted run (metrics: rewards, token counts, rollout versions,
+    staleness; checkpoint tensors equal)."""
     steps = 8
     extra = ("--set", "rollout.max_staleness=2", "--set", "replay.policy=bapo",
              "--set", "rollout.dynamic_sampling=true", "--set", "rollout.sync_every=2",
@@ -157,7 +166,7 @@ def test_async_run_killed_then_signalled_trains_on_the_same_samples(base, tmp_pa
     assert len(common["ranks"]["0"]["rollout"]["carried"]) == 2  # batches n and n + 1
     w = common["rollout_weights"]
     assert (w is None) if n % 2 == 0 else (w["version"] == n - 1 and w["tensors"])
-    rc, log = _run(cmd, tmp_path, "cut", lambda p: os.kill(p.pid, signal.SIGTERM), done + 1)
+    rc, log = _run(cmd, tmp_path, "cut", lambda p: os.kill(p.pid, signal.SIGTERM))
     assert rc == EXIT_PREEMPTED, log[-3000:]
     assert "resumed from" in log and _stopped_at(log) < steps
     rc, log = _run(cmd, tmp_path, "cut")
