@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -101,17 +101,21 @@ class RolloutResult:
     dropped: List[Group] = field(default_factory=list)  # groups replaced by dynamic sampling
 
     def to_state(self) -> dict:
-        """Plain containers (lists, dicts, tensors) for a checkpoint's common state."""
-        return asdict(self)
+        """Plain containers for a checkpoint's common state (groups as the replay buffer keeps
+        them: :meth:`Group.to_dict`)."""
+        return {
+            "index": self.index,
+            "groups": [g.to_dict() for g in self.groups],
+            "data_state": self.data_state,
+            "stats": self.stats,
+            "dropped": [g.to_dict() for g in self.dropped],
+        }
 
     @staticmethod
     def from_state(d: dict) -> "RolloutResult":
-        def group(g: dict) -> Group:
-            return Group(**{**g, "samples": [Sample(**x) for x in g["samples"]]})
-
         return RolloutResult(
-            int(d["index"]), [group(g) for g in d["groups"]], dict(d["data_state"]),
-            dict(d["stats"]), [group(g) for g in d["dropped"]],
+            int(d["index"]), [Group.from_dict(g) for g in d["groups"]], dict(d["data_state"]),
+            dict(d["stats"]), [Group.from_dict(g) for g in d["dropped"]],
         )  # fmt: skip
 
 
