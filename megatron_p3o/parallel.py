@@ -269,11 +269,9 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -
     if dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ:  # a plain `python` launch: a world of one on a free port
-        import socket
+        from .ports import free_port
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ.setdefault("MASTER_PORT", str(sock.getsockname()[1]))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")

@@ -16,18 +16,13 @@ import atexit
 import importlib
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable, List, Optional
 
+from megatron_p3o.ports import free_port
+
 DEFAULT_TIMEOUT = float(os.environ.get("P3O_TEST_TIMEOUT", "300"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, conn) -> None:
@@ -81,7 +76,7 @@ class RankPool:
     def __init__(self, world_size: int, start_timeout: float = 180.0):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.conns, self.procs = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()

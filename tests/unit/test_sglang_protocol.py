@@ -266,12 +266,11 @@ def test_weight_sync_group_forms_with_sglangs_own_code():
     """The NCCL unique id (here: gloo's rendezvous keys) must land where SGLang's end reads it;
     a different PrefixStore wrapping hangs the rendezvous until the timeout."""
     import multiprocessing as mp
-    import socket
+
+    from megatron_p3o.ports import free_port
 
     _wheel()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_group_member, args=(r, port, q)) for r in (0, 1)]

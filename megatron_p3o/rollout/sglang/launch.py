@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import List, Literal, Optional, Sequence, Tuple
 
 from ...errors import UserError
+from ...ports import free_port  # noqa: F401  (fleet and tests import it from here)
 
 PYTHON_ENV = "SGLANG_PYTHON"  # the SGLang environment's interpreter (tools/sglang_env.sh)
 API_KEY_ENV = "P3O_SGLANG_API_KEY"  # the per-job secret of servers and router (never in a recipe)
@@ -280,12 +280,6 @@ def router_command(
         python, "-c", _ROUTER_LAUNCHER, "--host", host, "--port", str(port),
         "--worker-urls", *workers, "--prometheus-port", str(prometheus_port or free_port(host)),
     ]  # fmt: skip
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
