@@ -112,6 +112,13 @@ def _same(self, *_, **__):
 
 
 def _install_device_rewrites() -> None:
+    from torch.utils import _device
+
+    # ``with torch.device("meta"):`` (transformers builds models under it) gives a device to the
+    # factories in a set made on first use: made now, it holds torch's own functions, which the
+    # wrappers call (made later, it would hold the wrappers, which the mode never sees, and
+    # torch.tensor would leave the meta context: transformers' RoPE buffers came out garbage)
+    _device._device_constructors()
     for name in FACTORIES:
         if hasattr(torch, name):
             setattr(torch, name, _device_kwargs(getattr(torch, name)))

@@ -39,3 +39,12 @@ def strict_training(groups, family, init, out, dispatcher="allgather"):
         save_model_state(chunks, f"{out}/ckpt")
         load_model_state(chunks, f"{out}/ckpt")
     return {"seen": step_seen, "shim_calls": step_calls, "norms": norms}
+
+
+def meta_factories(groups):
+    """Devices of tensors made inside ``with torch.device("meta")`` with the shim installed."""
+    import torch
+
+    with torch.device("meta"):
+        made = [torch.tensor(1.0), torch.empty(2), torch.zeros(2), torch.arange(3), torch.ones(1)]
+    return [t.device.type for t in made]

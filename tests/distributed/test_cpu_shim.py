@@ -34,3 +34,12 @@ def test_no_cuda_request_reaches_torch(pools, tmp_path, init_ckpts, world, layou
         print(f"{layout}: one step, torch calls {r['seen']}, through the shim {r['shim_calls']}")
         assert r["seen"] > 300 and r["shim_calls"] < 0.15 * r["seen"], r
         assert all(n == n and n > 0 for n in r["norms"])
+
+
+@pytest.mark.distributed
+def test_the_meta_device_context_still_reaches_every_factory(pools):
+    """transformers builds models under ``with torch.device("meta")``; with the factories wrapped
+    after torch had listed them, ``torch.tensor`` escaped it and RoPE buffers came out as
+    uninitialised memory (the converter's verify mode saw it)."""
+    (devices,) = pools(1).run(shim_bodies.meta_factories, Layout())
+    assert devices == ["meta"] * 5
