@@ -110,11 +110,12 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(base, tmp_path):
 
 
 @pytest.mark.e2e
-def test_stop_file_under_torchrun_and_the_wall_clock_budget(base, tmp_path):
+def test_stop_file_and_sigterm_under_torchrun_and_the_wall_clock_budget(base, tmp_path):
     """Two ranks: the STOP file (what tools/slurm/p3o.sbatch writes on Slurm's signal) reaches
     rank 0 only and both ranks stop after the same step; while it exists a started run stops at
-    once; removed (as the requeued job does), the same command resumes. Then
-    ``run.exit_after_minutes`` (0.12 s: shorter than one step) stops a run after its first step."""
+    once; removed (as the requeued job does), the same command resumes. SIGTERM to the torchrun
+    process group at a random moment: the same. Then ``run.exit_after_minutes`` (0.12 s:
+    shorter than one step) stops a run after its first step."""
     steps = 8
     rc, log = _run(_cmd(base, tmp_path, "straight", steps, 2), tmp_path, "straight")
     assert rc == 0, log[-3000:]
@@ -131,6 +132,16 @@ def test_stop_file_under_torchrun_and_the_wall_clock_budget(base, tmp_path):
     rc, log = _run(cmd, tmp_path, "cut")
     assert rc == 0, log[-3000:]
     _assert_equal_runs(tmp_path, "straight", "cut", steps)
+    # SIGTERM to torchrun's whole process group (a scheduler without the batch script): every
+    # worker gets it (and again from the agent), finishes the step and checkpoints; the agent
+    # itself exits 1 with its own traceback
+    sig = _cmd(base, tmp_path, "sig", steps, 2)
+    rc, log = _run(sig, tmp_path, "sig", lambda proc: os.killpg(proc.pid, signal.SIGTERM))
+    k = _stopped_at(log)
+    assert rc != 0 and 1 <= k < steps and "(SIGTERM)" in log, log[-3000:]
+    rc, log = _run(sig, tmp_path, "sig")
+    assert rc == 0, log[-3000:]
+    _assert_equal_runs(tmp_path, "straight", "sig", steps)
     budget = _cmd(base, tmp_path, "budget", steps, 1, "--set", "run.exit_after_minutes=0.002")
     rc, log = _run(budget, tmp_path, "budget")
     assert rc == EXIT_PREEMPTED and "(run.exit_after_minutes)" in log, log[-3000:]
