@@ -13,9 +13,16 @@ What it patches (see ``shared/docs/megatron-on-cpu.md`` for the measurements beh
 A. ``torch.cuda.current_device`` returns the CPU device.
 B. Megatron's CUDA RNG tracker is replaced by one that forks the CPU generator
    (``DotProductAttention`` forks it even with dropout 0).
-C. A ``TorchFunctionMode`` that rewrites ``device="cuda"`` arguments to CPU, makes ``.cuda()`` a
-   no-op, drops ``pin_memory``, and reports ``torch.cuda.*Tensor`` type names (the distributed
-   optimizer checks them); ``torch.cuda.synchronize`` and ``current_stream`` become no-ops.
+C. Where CUDA devices are *requested*, and only there: the tensor factories (``torch.empty``,
+   ``zeros``, ``tensor``, … and ``Tensor.new_*``) and ``Tensor.to`` rewrite a CUDA ``device``
+   to the CPU and drop ``pin_memory``; ``Tensor.cuda``/``pin_memory`` return the tensor,
+   ``is_pinned`` is False, and ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names (the
+   distributed optimizer checks them); ``torch.cuda.synchronize`` is a no-op. Every other torch
+   call (the matmuls, softmaxes and adds of forward, backward and the optimizer step) runs
+   untouched: an earlier ``TorchFunctionMode`` saw every call (~52,000 per tiny-recipe step,
+   ~40 % of the step's time). :func:`strict` is the proof that nothing slips past: a mode that
+   fails loudly when a CUDA request reaches torch (``tests/distributed/test_cpu_shim.py`` runs
+   training steps of every layout inside it). ``CALLS`` counts the shim's calls.
 D. CUDA streams (the MoE ``alltoall`` token dispatcher copies its split sizes to the host on a
    side stream): ``torch.cuda.Stream()`` and ``current_stream()`` are one no-op stand-in (so the
    dispatcher sees itself on the current stream and records nothing), events are no-op
@@ -31,6 +38,7 @@ E. ``dist.all_gather`` of tensors of different first-dimension sizes (the alltoa
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -47,33 +55,109 @@ def _is_cuda_device(dev) -> bool:
     return False
 
 
-def _cpu_if_cuda(value):
-    return _CPU if _is_cuda_device(value) else value
+# -- C: CUDA device requests, rewritten where they are made ------------------------------------
+FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "asarray", "arange", "range",
+    "linspace", "logspace", "eye", "rand", "randn", "randint", "randperm", "normal",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "empty_strided", "scalar_tensor", "tril_indices", "triu_indices",
+)  # fmt: skip
+TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+CALLS = 0  # calls that went through the shim's wrappers (the whole of its hot-path cost)
 
 
-class _CudaToCpuMode(TorchFunctionMode):
-    """Shim C: rewrite CUDA device requests made by Megatron-Core into CPU ones."""
+def _device_kwargs(fn):
+    """``fn`` with a CUDA ``device=`` keyword made the CPU and ``pin_memory`` dropped."""
+
+    @functools.wraps(fn)
+    def shim(*args, **kwargs):
+        global CALLS
+        CALLS += 1
+        if kwargs:
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = _CPU
+            kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return shim
+
+
+def _to(orig):
+    @functools.wraps(orig)
+    def to(self, *args, **kwargs):
+        global CALLS
+        CALLS += 1
+        if args and _is_cuda_device(args[0]):
+            args = (_CPU,) + args[1:]
+        if kwargs and _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return orig(self, *args, **kwargs)
+
+    return to
+
+
+def _type(orig):
+    @functools.wraps(orig)
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return orig(self, *args, **kwargs)
+        name = orig(self)
+        return name if "cuda" in name else name.replace("torch.", "torch.cuda.", 1)
+
+    return type_
+
+
+def _same(self, *_, **__):
+    return self
+
+
+def _install_device_rewrites() -> None:
+    from torch.utils import _device
+
+    # ``with torch.device("meta"):`` (transformers builds models under it) gives a device to the
+    # factories in a set made on first use: made now, it holds torch's own functions, which the
+    # wrappers call (made later, it would hold the wrappers, which the mode never sees, and
+    # torch.tensor would leave the meta context: transformers' RoPE buffers came out garbage)
+    _device._device_constructors()
+    for name in FACTORIES:
+        if hasattr(torch, name):
+            setattr(torch, name, _device_kwargs(getattr(torch, name)))
+    T = torch.Tensor
+    for name in TENSOR_FACTORIES:
+        setattr(T, name, _device_kwargs(getattr(T, name)))
+    T.to = _to(T.to)
+    T.type = _type(T.type)
+    T.cuda = T.pin_memory = _same
+    T.is_pinned = lambda self, *_, **__: False
+
+
+class _Strict(TorchFunctionMode):
+    """Fails loudly when a CUDA device request reaches torch past the shim; counts the torch
+    calls it sees (``seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.pin_memory:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
-        if func is torch.Tensor.is_pinned:
-            return False
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
-        kwargs.pop("pin_memory", None)
-        if (
-            func in (torch.Tensor.to, torch.Tensor.new_empty)
-            or getattr(func, "__name__", "") == "to"
+        self.seen += 1
+        kwargs = kwargs or {}
+        cuda = _is_cuda_device(kwargs.get("device")) or kwargs.get("pin_memory") is True
+        name = getattr(func, "__name__", "")
+        if name in ("cuda", "pin_memory") or (
+            name == "to" and args[1:2] and _is_cuda_device(args[1])
         ):
-            args = tuple(_cpu_if_cuda(a) for a in args)
+            cuda = True
+        if cuda:
+            raise RuntimeError(f"cpu_shim.strict: a CUDA request reached torch: {func}")
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def strict():
+    """Inside: any CUDA device request that reaches torch raises; yields the mode (``.seen``)."""
+    with _Strict() as mode:
+        yield mode
 
 
 class _CpuRNGStatesTracker:
@@ -229,7 +313,7 @@ def install() -> bool:
         return _Done() if async_op else None
 
     dist.all_gather = all_gather
-    # C: CUDA device arguments become CPU ones, for the rest of the process.
-    _CudaToCpuMode().__enter__()
+    # C: CUDA device requests become CPU ones where they are made.
+    _install_device_rewrites()
     _INSTALLED = True
     return True
