@@ -198,6 +198,7 @@ def build_model(
     use_te = resolve_use_te(opts)
     if desc.is_moe and not use_te:
         mcore_compat.moe_without_te()
+    mcore_compat.packed_rope_in_one_gather()
     spec = mcore_compat.layer_spec(
         use_te=use_te, qk_norm=desc.qk_norm, num_experts=desc.num_experts or None
     )

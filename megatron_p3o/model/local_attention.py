@@ -8,8 +8,12 @@ on CPU with the same Megatron model code. On GPUs TE's attention (THD, ring CP) 
 
 - Padded ``[s, b, n, d]``: causal attention per row (``scaled_dot_product_attention``).
 - Packed ``[t, n, d]`` with ``PackedSeqParams`` (``cu_seqlens``): causal attention *within*
-  each sequence, one sequence at a time, so no token attends across a sequence boundary and the
-  cost is Σ Lᵢ², not T².
+  each sequence, so no token attends across a sequence boundary. Without CP, consecutive
+  sequences are grouped into windows of at most ``PACK_WINDOW`` tokens (or one sequence, if
+  longer) and each window is one SDPA call with a block-diagonal causal mask: a micro-batch of
+  40 short sequences is one call, not 40 (the per-call overhead dominated CPU steps), and the
+  cost stays bounded by window², not T². A masked key gets weight exactly 0, so the other
+  sequences of a window cannot change a sequence's output.
 - Context parallelism (both layouts): K and V are all-gathered over the CP group and the causal
   mask is built from each token's position within its sequence, for the 2·cp chunk split of
   :mod:`megatron_p3o.model.packed` (rank r holds chunks r and 2cp−1−r of every sequence/row).
@@ -29,6 +33,8 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from .packed import cp_chunk_positions
+
+PACK_WINDOW = 128  # tokens per block-diagonal SDPA call of the packed path (see module docstring)
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -137,9 +143,10 @@ class LocalCoreAttention(MegatronModule):
         cu = (cu if cu is not None else params.cu_seqlens_q).tolist()
         cp_size, cp_rank = self._cp()
         t, nh, d = query.shape
-        if cp_size > 1:
-            key = _AllGatherSeq.apply(key, self.cp_group)  # [cp·t, g, d], rank-major
-            value = _AllGatherSeq.apply(value, self.cp_group)
+        if cp_size == 1:
+            return self._packed_windows(query, key, value, cu)
+        key = _AllGatherSeq.apply(key, self.cp_group)  # [cp·t, g, d], rank-major
+        value = _AllGatherSeq.apply(value, self.cp_group)
         outs = []
         local = 0  # where this sequence's tokens start on this rank
         for start, end in zip(cu[:-1], cu[1:]):
@@ -147,22 +154,44 @@ class LocalCoreAttention(MegatronModule):
             if n == 0:
                 continue
             q = query[local : local + n].permute(1, 0, 2)[None]  # [1, n, L/cp, d]
-            if cp_size == 1:
-                k = key[local : local + n].permute(1, 0, 2)[None]
-                v = value[local : local + n].permute(1, 0, 2)[None]
-                o = _attend(q, k, v, self.softmax_scale)
-            else:
-                rows = torch.cat(
-                    [torch.arange(r * t + local, r * t + local + n) for r in range(cp_size)]  # host
-                ).to(key.device)
-                k = key.index_select(0, rows).permute(1, 0, 2)[None]
-                v = value.index_select(0, rows).permute(1, 0, 2)[None]
-                q_pos = cp_chunk_positions(n, cp_rank, cp_size)
-                k_pos = torch.cat([cp_chunk_positions(n, r, cp_size) for r in range(cp_size)])
-                allowed = (k_pos[None, :] <= q_pos[:, None]).to(query.device)
-                o = _attend(q, k, v, self.softmax_scale, allowed)
+            rows = torch.cat(
+                [torch.arange(r * t + local, r * t + local + n) for r in range(cp_size)]  # host
+            ).to(key.device)
+            k = key.index_select(0, rows).permute(1, 0, 2)[None]
+            v = value.index_select(0, rows).permute(1, 0, 2)[None]
+            q_pos = cp_chunk_positions(n, cp_rank, cp_size)
+            k_pos = torch.cat([cp_chunk_positions(n, r, cp_size) for r in range(cp_size)])
+            allowed = (k_pos[None, :] <= q_pos[:, None]).to(query.device)
+            o = _attend(q, k, v, self.softmax_scale, allowed)
             outs.append(o[0].permute(1, 0, 2).to(query.dtype))
             local += n
         if local != t:
             raise ValueError(f"cu_seqlens {cu} cover {local} of this rank's {t} tokens")
         return torch.cat(outs).reshape(t, nh * d)
+
+    def _packed_windows(self, query: Tensor, key: Tensor, value: Tensor, cu) -> Tensor:
+        """No CP: one SDPA per window of consecutive sequences, block-diagonal causal mask.
+        ``[t, n, d]`` → ``[t, n·d]``; ``cu`` the host list of sequence boundaries."""
+        t, nh, d = query.shape
+        if cu[0] != 0 or cu[-1] != t:
+            raise ValueError(f"cu_seqlens {cu} cover {cu[-1] - cu[0]} of this rank's {t} tokens")
+        outs, start, bounds = [], 0, list(zip(cu[:-1], cu[1:]))
+        while start < len(bounds):
+            end = start + 1  # grow the window while it stays within PACK_WINDOW tokens
+            while end < len(bounds) and bounds[end][1] - bounds[start][0] <= PACK_WINDOW:
+                end += 1
+            lo, hi = bounds[start][0], bounds[end - 1][1]
+            q = query[lo:hi].permute(1, 0, 2)[None]  # [1, n, w, d]
+            k = key[lo:hi].permute(1, 0, 2)[None]
+            v = value[lo:hi].permute(1, 0, 2)[None]
+            if end - start == 1:
+                o = _attend(q, k, v, self.softmax_scale)
+            else:
+                lengths = torch.tensor([b - a for a, b in bounds[start:end]])  # host
+                seg = torch.repeat_interleave(torch.arange(end - start), lengths)
+                idx = torch.arange(hi - lo)
+                allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+                o = _attend(q, k, v, self.softmax_scale, allowed.to(query.device))
+            outs.append(o[0].permute(1, 0, 2).to(query.dtype))
+            start = end
+        return (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(t, nh * d)

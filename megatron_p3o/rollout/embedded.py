@@ -313,12 +313,15 @@ class EmbeddedEngine(RolloutEngine):
         routes: List[List[Tensor]] = [
             [pre[i, L0 - len(p) :]] if pre is not None else [] for i, p in enumerate(prompts)
         ]
-        toks: List[List[int]] = [[] for _ in range(b)]
-        lps: List[List[float]] = [[] for _ in range(b)]
-        finish = ["length"] * b
+        # Tokens, log-probs and "still generating" flags stay tensors until the end: one host
+        # transfer per batch instead of per token and row (that loop was most of a CPU rollout).
+        tok_steps: List[Tensor] = []
+        lp_steps: List[Tensor] = []
+        live_steps: List[Tensor] = []
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         next_pos = pos[:, -1] + 1
-        stops = set(sampling.stop_token_ids)
+        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)
+        stop_ids = stop_ids.to(self.device)
         logits = out.logits[:, -1]
         for step in range(sampling.max_new_tokens):
             if self.logit_noise > 0:  # the engine's own distribution is the perturbed one
@@ -326,15 +329,12 @@ class EmbeddedEngine(RolloutEngine):
                 logits = logits.float() + self.logit_noise * eps
             logp = sampling_logprobs(logits, sampling)
             tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
-            lp = logp.gather(-1, tok[:, None])[:, 0]
-            for i in range(b):
-                if done[i]:
-                    continue
-                toks[i].append(int(tok[i]))
-                lps[i].append(float(lp[i]))
-                if int(tok[i]) in stops:
-                    done[i], finish[i] = True, "stop"
-            if bool(done.all()) or step == sampling.max_new_tokens - 1:
+            tok_steps.append(tok)
+            lp_steps.append(logp.gather(-1, tok[:, None])[:, 0])
+            live_steps.append(~done)  # rows already stopped do not record this token
+            if len(stop_ids):
+                done = done | torch.isin(tok, stop_ids)
+            if step == sampling.max_new_tokens - 1 or bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], 1)
             feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
@@ -350,9 +350,14 @@ class EmbeddedEngine(RolloutEngine):
             logits = out.logits[:, -1]
             fed = self._call_routes(b)
             if fed is not None:
-                for i in range(b):
-                    if not done[i]:  # its newest token went through the model
-                        routes[i].append(fed[i])
+                for i in torch.nonzero(~done)[:, 0].tolist():  # its newest token went through
+                    routes[i].append(fed[i])
+        counts = torch.stack(live_steps, 1).sum(1).tolist()
+        all_toks = torch.stack(tok_steps, 1).tolist()
+        all_lps = torch.stack(lp_steps, 1).tolist()
+        toks = [row[:c] for row, c in zip(all_toks, counts)]
+        lps = [row[:c] for row, c in zip(all_lps, counts)]
+        finish = ["stop" if d else "length" for d in done.tolist()]
         routed = [torch.cat(r) if r else None for r in routes]
         return toks, lps, finish, routed
 

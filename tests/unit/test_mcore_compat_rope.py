@@ -1,0 +1,47 @@
+"""The one-gather packed RoPE (``mcore_compat.packed_rope_in_one_gather``) against Megatron's own
+``_apply_rotary_pos_emb_thd``: the same tensor bit for bit, values and gradients, in both of
+Megatron's frequency layouts (max-length rows; a row per packed token)."""
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+from megatron_p3o import mcore_compat
+
+
+class _Group:  # what the function reads of a CP group of one
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def both():
+    mcore_compat.packed_rope_in_one_gather()
+    fast = rope_utils._apply_rotary_pos_emb_thd
+    return fast.p3o_megatrons, fast
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_equals_megatrons_function_bitwise(both, per_token, interleaved):
+    megatrons, fast = both
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 1, 15, 12, 7]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    t_total = sum(lengths)
+    d = 16
+    rows = t_total if per_token else 32
+    freqs = torch.randn(rows, 1, 1, d, generator=g)
+    x = torch.randn(t_total, 4, d, generator=g)
+    outs = []
+    for fn in (megatrons, fast):
+        xi = x.clone().requires_grad_()
+        y = fn(xi, cu, freqs, rotary_interleaved=interleaved, cp_group=_Group())
+        (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum().backward()
+        outs.append((y.detach(), xi.grad))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[1][0], x)  # it did rotate
