@@ -245,15 +245,17 @@ class PolicyUpdate:
             m = mb["response"]["mask"].double()
             n_tok += float(m.sum())
             n_seq += float((m.sum(-1) > 0).sum())
-        local = torch.tensor([n_tok, n_seq], dtype=torch.float64, device=self.groups.device)
+        local = torch.tensor(
+            [n_tok, n_seq, len(microbatches)], dtype=torch.float64, device=self.groups.device
+        )
         if self.groups.layout.dp_enabled:
             # DP group: each DP rank holds a disjoint share of the step's sequences (CP ranks of
             # one DP rank hold the same micro-batches: no CP reduction here).
             dist.all_reduce(local, group=self.groups.dp)
-        n_tok, n_seq = local.tolist()
+        n_tok, n_seq, n_micro = local.tolist()
         if n_tok <= 0:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
-        return n_tok, n_seq
+        return n_tok, n_seq, int(n_micro)
 
     def _logprobs(self, batch, logits, watch: FiniteWatch, entropy: bool = True, value=False):
         """ℓθ, entropy, the mask to use and V(s₁) of one micro-batch, with no host read: with
@@ -374,11 +376,17 @@ class PolicyUpdate:
         if self.objective.per_sequence:
             _check_whole_sequences(microbatches, self.objective.name)
         self._check_behavior_logprobs(microbatches)
-        n_tok, n_seq = self._global_counts(microbatches)
+        n_tok, n_seq, n_micro = self._global_counts(microbatches)
         acc = StepMetrics()
         ess = ess_p = None
         step_scope = self.cfg.ess_scope == "step"
-        prepass = self.objective.needs_ess and step_scope
+        # One micro-batch on every DP rank (no PP): that micro-batch *is* the step, so e_B comes
+        # from the gradient pass's own forward, all-reduced over DP inside the loss as with
+        # ``ess_scope: microbatch`` — the same statistics as the pre-pass, one forward fewer.
+        layout = self.groups.layout
+        dp_size = dist.get_world_size(self.groups.dp) if layout.dp_enabled else 1
+        in_pass = step_scope and n_micro == dp_size and not layout.pp_enabled
+        prepass = self.objective.needs_ess and step_scope and not in_pass
         if prepass:
             ess, ess_p = self._broadcast_from_last_stage(
                 self._ess_prepass(chunks, microbatches, acc)
@@ -398,7 +406,7 @@ class PolicyUpdate:
             inp = self._inputs(batch, lp, ent, mask, val)
             self.objective.check_inputs(inp)
             e, e_p = ess, ess_p
-            if self.objective.needs_ess and not step_scope:
+            if self.objective.needs_ess and (in_pass or not step_scope):
                 # DP group: micro-batch k of every data-parallel rank forms one ESS pool. e_B
                 # stays a device scalar; its statistics are checked after the schedule.
                 st = all_reduce_stats(self._ess_stats(inp), self.groups.dp)
@@ -441,7 +449,11 @@ class PolicyUpdate:
             metrics["ess"] = ess
         if ess_p is not None:
             metrics["ess_prox"] = ess_p
-        if micro_ess:
+        if micro_ess and in_pass:  # the step's e_B (and e_prox), checked as the pre-pass's
+            metrics["ess"], e_p = self._ess_values(micro[0].tolist(), "optimizer step")
+            if e_p is not None:
+                metrics["ess_prox"] = e_p
+        elif micro_ess:
             metrics["ess"] = sum(micro_ess) / len(micro_ess)
             metrics["ess_microbatch_min"] = min(micro_ess)
         return self._from_last_stage(metrics)
