@@ -114,6 +114,7 @@ class TrainConfig:
         for path, v, lo in (
             ("steps", self.steps, 1),
             ("rollout.n_samples", self.rollout.n_samples, 1),
+            ("rollout.embedded_max_batch", self.rollout.embedded_max_batch, 1),
             ("rollout.sync_every", self.rollout.sync_every, 1),
             ("rollout.max_staleness", self.rollout.max_staleness, 0),
             ("rollout.dynamic_max_rounds", self.rollout.dynamic_max_rounds, 0),

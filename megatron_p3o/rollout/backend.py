@@ -138,8 +138,9 @@ class EmbeddedBackend(RolloutBackend):
         if e is None or e.precision != precision:
             hf = description_to_hf_config(self.weights.desc)
             e = EmbeddedEngine(
-                hf, precision, pad_token_id=self.engine.pad_token_id, device=self.engine.device
-            )
+                hf, precision, pad_token_id=self.engine.pad_token_id, device=self.engine.device,
+                max_batch=self.engine.max_batch,
+            )  # fmt: skip
             self._eval_engine = e
         if e.weight_version != version:
             policy = [(n, t) for n, t in self.weights.full() if not n.startswith("rollout_head.")]
@@ -209,7 +210,7 @@ def build_backend(
         engine = EmbeddedEngine(
             hf, cfg.precision, pad_token_id=pad_token_id, device=device,
             logit_noise=cfg.logit_noise, fp8_kv_cache=cfg.fp8_kv_cache,
-            rollout_head=rollout_head,
+            rollout_head=rollout_head, max_batch=cfg.embedded_max_batch,
         )  # fmt: skip
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, resume)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes

@@ -22,6 +22,8 @@ class RolloutConfig:
     precision: embedded engine precision (fp32, bf16, fp16, fp8, fp8_block, fp8_w8a8; see
         :mod:`.embedded` for what each FP8 simulation rounds).
     fp8_kv_cache: embedded engine with an fp8 precision: also round K/V to e4m3.
+    embedded_max_batch: rows the embedded engine generates in one batch (its KV cache holds
+        them all; the tiny recipe's 256 completions are one batch, one forward per new token).
     n_samples: completions per prompt (the GRPO group size G).
     sampling: sampling parameters (``stop_token_ids`` gets the tokenizer's EOS added; ``seed``
         is set per batch by the scheduler).
@@ -60,6 +62,7 @@ class RolloutConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16", "fp16", "fp8", "fp8_block", "fp8_w8a8"] = "bf16"
     fp8_kv_cache: bool = False
+    embedded_max_batch: int = 256
     n_samples: int = 8
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sync_every: int = 1
