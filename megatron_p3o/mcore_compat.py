@@ -87,10 +87,10 @@ def packed_rope_in_one_gather() -> None:
     """Megatron's unfused RoPE for packed (THD) sequences builds the frequency rows with a Python
     loop over the sequences (``torch.split`` + one slice each, per call: q and k of every layer),
     which was a tenth of a CPU training step with ~40 short sequences per micro-batch. Without CP
-    the rows it builds are ``freqs[position within the sequence]`` (or ``freqs[:t]`` when
-    ``freqs`` already holds a row per packed token), so one index gather gives the same tensor,
-    bit for bit; the rotation is then Megatron's own ``_apply_rotary_pos_emb_bshd``, as before.
-    With CP (chunk-split positions) Megatron's function runs unchanged.
+    the rows it builds are ``freqs[position within the sequence]``, so one index gather gives the
+    same tensor, bit for bit, without reading ``cu_seqlens`` on the host; the rotation is then
+    Megatron's own ``_apply_rotary_pos_emb_bshd``, as before. With CP (chunk-split positions)
+    or a row of ``freqs`` per packed token (its offset mapping) Megatron's function runs.
     ``tests/unit/test_mcore_compat_rope.py`` compares it with Megatron's function bitwise."""
     import torch
     from megatron.core.models.common.embeddings import rope_utils
@@ -101,21 +101,14 @@ def packed_rope_in_one_gather() -> None:
 
     def apply_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
                   mscale=1.0, cp_group=None):  # fmt: skip
-        if cp_group is None or cp_group.size() != 1:
+        n = t.shape[0]
+        if cp_group is None or cp_group.size() != 1 or freqs.size(0) == n:
+            # CP, or freqs with a row per packed token (Megatron's offset mapping): its own code
             return megatrons(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention,
                              mscale, cp_group)  # fmt: skip
         cu = cu_seqlens.to(torch.long)
-        if int(cu[-1] - cu[0]) != t.shape[0]:  # Megatron's torch.split would refuse it
-            return megatrons(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention,
-                             mscale, cp_group)  # fmt: skip
-        if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:
-            rows = freqs[int(cu[0]) : int(cu[-1])]  # a row per packed token (offset mapping)
-        else:
-            lengths = cu[1:] - cu[:-1]
-            pos = torch.arange(t.shape[0], device=cu.device) - torch.repeat_interleave(
-                cu[:-1] - cu[0], lengths
-            )
-            rows = freqs[pos.to(freqs.device)]
+        starts = torch.repeat_interleave(cu[:-1] - cu[0], cu[1:] - cu[:-1], output_size=n)
+        rows = freqs[(torch.arange(n, device=cu.device) - starts).to(freqs.device)]
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
             rows,
