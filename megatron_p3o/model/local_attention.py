@@ -187,11 +187,13 @@ class LocalCoreAttention(MegatronModule):
             if end - start == 1:
                 o = _attend(q, k, v, self.softmax_scale)
             else:
-                lengths = torch.tensor([b - a for a, b in bounds[start:end]])  # host
-                seg = torch.repeat_interleave(torch.arange(end - start), lengths)
-                idx = torch.arange(hi - lo)
+                dev = query.device
+                lengths = torch.tensor([b - a for a, b in bounds[start:end]], device=dev)
+                seg = torch.repeat_interleave(torch.arange(end - start, device=dev), lengths,
+                                              output_size=hi - lo)  # fmt: skip
+                idx = torch.arange(hi - lo, device=dev)
                 allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
-                o = _attend(q, k, v, self.softmax_scale, allowed.to(query.device))
+                o = _attend(q, k, v, self.softmax_scale, allowed)
             outs.append(o[0].permute(1, 0, 2).to(query.dtype))
             start = end
         return (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(t, nh * d)
