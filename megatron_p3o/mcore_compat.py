@@ -92,6 +92,8 @@ def packed_rope_in_one_gather() -> None:
     Megatron's own ``_apply_rotary_pos_emb_bshd``, as before. With CP (chunk-split positions)
     or a row of ``freqs`` per packed token (its offset mapping) Megatron's function runs.
     ``tests/unit/test_mcore_compat_rope.py`` compares it with Megatron's function bitwise."""
+    import weakref
+
     import torch
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -106,9 +108,7 @@ def packed_rope_in_one_gather() -> None:
             # CP, or freqs with a row per packed token (Megatron's offset mapping): its own code
             return megatrons(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention,
                              mscale, cp_group)  # fmt: skip
-        cu = cu_seqlens.to(torch.long)
-        starts = torch.repeat_interleave(cu[:-1] - cu[0], cu[1:] - cu[:-1], output_size=n)
-        rows = freqs[(torch.arange(n, device=cu.device) - starts).to(freqs.device)]
+        rows = freqs[_positions(cu_seqlens, n).to(freqs.device)]
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
             rows,
@@ -116,6 +116,20 @@ def packed_rope_in_one_gather() -> None:
             multi_latent_attention=multi_latent_attention,
             mscale=mscale,
         ).squeeze(1)
+
+    last: list = [None, None]  # (weakref to the cu_seqlens tensor, its positions)
+
+    def _positions(cu_seqlens, n):
+        """Each packed token's position within its sequence; q and k of every layer pass the
+        same ``cu_seqlens`` tensor, so it is computed once per micro-batch."""
+        ref, pos = last
+        if ref is not None and ref() is cu_seqlens and pos.shape[0] == n:
+            return pos
+        cu = cu_seqlens.to(torch.long)
+        starts = torch.repeat_interleave(cu[:-1] - cu[0], cu[1:] - cu[:-1], output_size=n)
+        pos = torch.arange(n, device=cu.device) - starts
+        last[:] = [weakref.ref(cu_seqlens), pos]
+        return pos
 
     apply_thd.p3o_megatrons = megatrons
     rope_utils._apply_rotary_pos_emb_thd = apply_thd

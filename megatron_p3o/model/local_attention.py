@@ -22,6 +22,7 @@ on CPU with the same Megatron model code. On GPUs TE's attention (THD, ring CP) 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -72,6 +73,30 @@ def _attend(
     if allowed is None:
         return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _window_plan(cu: tuple, device: torch.device, window: int) -> tuple:
+    """``(lo, hi, mask)`` per window of consecutive sequences of the packed layout ``cu``:
+    windows grow while they stay within ``window`` tokens; ``mask`` is the window's
+    block-diagonal causal ``[w, w]`` mask (True = may attend), None for a one-sequence window
+    (plain causal). Every layer and both passes of a micro-batch share one layout: cached."""
+    bounds, plan, start = list(zip(cu[:-1], cu[1:])), [], 0
+    while start < len(bounds):
+        end = start + 1
+        while end < len(bounds) and bounds[end][1] - bounds[start][0] <= window:
+            end += 1
+        lo, hi = bounds[start][0], bounds[end - 1][1]
+        allowed = None
+        if end - start > 1:
+            lengths = torch.tensor([b - a for a, b in bounds[start:end]], device=device)
+            seg = torch.repeat_interleave(torch.arange(end - start, device=device), lengths,
+                                          output_size=hi - lo)  # fmt: skip
+            idx = torch.arange(hi - lo, device=device)
+            allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+        plan.append((lo, hi, allowed))
+        start = end
+    return tuple(plan)
 
 
 class LocalCoreAttention(MegatronModule):
@@ -175,25 +200,11 @@ class LocalCoreAttention(MegatronModule):
         t, nh, d = query.shape
         if cu[0] != 0 or cu[-1] != t:
             raise ValueError(f"cu_seqlens {cu} cover {cu[-1] - cu[0]} of this rank's {t} tokens")
-        outs, start, bounds = [], 0, list(zip(cu[:-1], cu[1:]))
-        while start < len(bounds):
-            end = start + 1  # grow the window while it stays within PACK_WINDOW tokens
-            while end < len(bounds) and bounds[end][1] - bounds[start][0] <= PACK_WINDOW:
-                end += 1
-            lo, hi = bounds[start][0], bounds[end - 1][1]
+        outs = []
+        for lo, hi, allowed in _window_plan(tuple(cu), query.device, PACK_WINDOW):
             q = query[lo:hi].permute(1, 0, 2)[None]  # [1, n, w, d]
             k = key[lo:hi].permute(1, 0, 2)[None]
             v = value[lo:hi].permute(1, 0, 2)[None]
-            if end - start == 1:
-                o = _attend(q, k, v, self.softmax_scale)
-            else:
-                dev = query.device
-                lengths = torch.tensor([b - a for a, b in bounds[start:end]], device=dev)
-                seg = torch.repeat_interleave(torch.arange(end - start, device=dev), lengths,
-                                              output_size=hi - lo)  # fmt: skip
-                idx = torch.arange(hi - lo, device=dev)
-                allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
-                o = _attend(q, k, v, self.softmax_scale, allowed)
+            o = _attend(q, k, v, self.softmax_scale, allowed)
             outs.append(o[0].permute(1, 0, 2).to(query.dtype))
-            start = end
         return (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(t, nh * d)

@@ -45,3 +45,15 @@ def test_equals_megatrons_function_bitwise(both, per_token, interleaved):
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[1][0], x)  # it did rotate
+
+
+def test_a_new_layout_of_the_same_length_is_not_served_stale_positions(both):
+    megatrons, fast = both
+    g = torch.Generator().manual_seed(1)
+    freqs = torch.randn(32, 1, 1, 8, generator=g)
+    x = torch.randn(20, 2, 8, generator=g)
+    for lengths in ([10, 10], [10, 10], [3, 17], [20]):  # same tokens, other sequences
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        for _ in range(2):  # q, then k: the same cu tensor
+            a = megatrons(x, cu, freqs, cp_group=_Group())
+            assert torch.equal(a, fast(x, cu, freqs, cp_group=_Group())), lengths
