@@ -3,11 +3,12 @@ exit status 2, no traceback (``--debug`` shows it); under torchrun the line appe
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from megatron_p3o.ports import free_port
 
 from .cli import ENV, ROOT, sglang_disk_sets, torchrun
 from .test_tiny_recipe import _sets
@@ -35,12 +36,6 @@ def _one_line_error(r, prog: str, *needles: str) -> str:
     for n in needles:
         assert n in errors[0], (n, errors[0])
     return errors[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TRAIN = "megatron_p3o.train"
@@ -111,7 +106,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 @pytest.mark.e2e
 def test_dead_rollout_server(base, tmp_path):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     r = _run(
         "-m",
         TRAIN,

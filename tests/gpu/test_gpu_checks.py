@@ -3,12 +3,13 @@
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from megatron_p3o.ports import free_port
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -19,12 +20,6 @@ def _have(mod):
         return True
     except Exception:
         return False
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_hf(tmp: Path, seed=0):
@@ -98,7 +93,7 @@ def test_sglang_generate_logprobs_and_weight_sync(tmp_path):
     _tiny_hf(tmp_path / "m1", seed=1)
     cfg = SGLangConfig(
         model_path=str(tmp_path / "m0"),
-        port=_free_port(),
+        port=free_port(),
         mem_fraction_static=0.3,
         startup_timeout_s=300,
     )
@@ -219,13 +214,13 @@ def test_trainer_drives_a_real_sglang_server(tmp_path, weight_sync):
             "--set",
             "rollout.sglang.mem_fraction_static=0.3",
             "--set",
-            f"rollout.sglang.port={_free_port()}",
+            f"rollout.sglang.port={free_port()}",
             "--set",
             f"rollout.weight_sync={weight_sync}",
             "--set",
             f"rollout.weight_sync_dir={tmp_path / 'sync'}",
             "--set",
-            f"rollout.weight_sync_port={_free_port()}",
+            f"rollout.weight_sync_port={free_port()}",
             "--set",
             "rollout.max_staleness=1",
             *(["--set", f"rollout.sglang.gpus='{gpus}'"] if gpus else []),

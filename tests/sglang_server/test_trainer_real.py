@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.rollout.sglang.launch import free_port
+from megatron_p3o.ports import free_port
 from tests.e2e.cli import ENV, ROOT, torchrun
 from tests.e2e.test_tiny_recipe import _sets
 

@@ -19,11 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
+from ...ports import free_port
 from ...types import Sample, SamplingParams
 from ...weight_sync.ipc import serialize_named_tensors
 from ..engine import Bucket, RolloutEngine
 from .client import SGLangEngine
-from .launch import API_KEY_ENV, ServerProcess, free_port, resolve_python, router_command
+from .launch import API_KEY_ENV, ServerProcess, resolve_python, router_command
 from .launch import server_env as launch_env
 from .protocol import distributed_payload, with_last
 from .weights import broadcast, resolve_backend, weight_sync_group

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import List, Literal, Optional, Sequence, Tuple
 
 from ...errors import UserError
-from ...ports import free_port  # noqa: F401  (fleet and tests import it from here)
+from ...ports import free_port
 
 PYTHON_ENV = "SGLANG_PYTHON"  # the SGLang environment's interpreter (tools/sglang_env.sh)
 API_KEY_ENV = "P3O_SGLANG_API_KEY"  # the per-job secret of servers and router (never in a recipe)
