@@ -384,8 +384,7 @@ class PolicyUpdate:
         # from the gradient pass's own forward, all-reduced over DP inside the loss as with
         # ``ess_scope: microbatch`` — the same statistics as the pre-pass, one forward fewer.
         layout = self.groups.layout
-        dp_size = dist.get_world_size(self.groups.dp) if layout.dp_enabled else 1
-        in_pass = step_scope and n_micro == dp_size and not layout.pp_enabled
+        in_pass = step_scope and n_micro == (layout.dp or 1) and not layout.pp_enabled
         prepass = self.objective.needs_ess and step_scope and not in_pass
         if prepass:
             ess, ess_p = self._broadcast_from_last_stage(
@@ -427,7 +426,7 @@ class PolicyUpdate:
 
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
-        micro_ess: List[float] = []
+        micro_ess: List[tuple] = []  # (e_B, e_prox or None) per ESS pool
         if self.groups.is_last_stage():
             acc.add(_NONFINITE, watch.count(self.groups.device), 1.0)
             # DP group: each DP rank's micro-batches hold a disjoint share of the sequences.
@@ -437,7 +436,8 @@ class PolicyUpdate:
             bad = acc.sums.pop(_NONFINITE)[0]
             if bad:  # on every DP rank: the count was summed over them
                 watch.raise_error(bad)
-            micro_ess = [self._ess_values(st.tolist(), "micro-batch")[0] for st in micro]
+            pool = "optimizer step" if in_pass else "micro-batch"
+            micro_ess = [self._ess_values(st.tolist(), pool) for st in micro]
             res = finalize_mismatch(acc.result())
             res["log_ratio_hist"] = acc.coarse_hist(
                 "ratio", bins=200
@@ -449,13 +449,14 @@ class PolicyUpdate:
             metrics["ess"] = ess
         if ess_p is not None:
             metrics["ess_prox"] = ess_p
-        if micro_ess and in_pass:  # the step's e_B (and e_prox), checked as the pre-pass's
-            metrics["ess"], e_p = self._ess_values(micro[0].tolist(), "optimizer step")
+        if micro_ess and in_pass:  # one pool: the step's e_B (and e_prox)
+            metrics["ess"], e_p = micro_ess[0]
             if e_p is not None:
                 metrics["ess_prox"] = e_p
         elif micro_ess:
-            metrics["ess"] = sum(micro_ess) / len(micro_ess)
-            metrics["ess_microbatch_min"] = min(micro_ess)
+            values = [e for e, _ in micro_ess]
+            metrics["ess"] = sum(values) / len(values)
+            metrics["ess_microbatch_min"] = min(values)
         return self._from_last_stage(metrics)
 
     def _from_last_stage(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
