@@ -43,10 +43,10 @@ def _trl_python(venv: Path) -> str:
         pins = ["-c", str(ROOT / "constraints-cpu.txt")]
         reqs = ["-r", str(ROOT / "benchmarks" / "peer_trl_requirements.txt")]
         subprocess.run([str(py), "-m", "pip", "install", "-q", *pins, *reqs], check=True)
-    probe = "import torch, trl; print(torch.__version__, trl.__version__)"
+    probe = "import torch; print(torch.__version__)"
     out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, check=True)
-    torch_v, trl_v = out.stdout.split()
-    if "+cpu" not in torch_v and not torch_v.startswith("2.13.0"):
+    torch_v = out.stdout.strip()
+    if torch_v != "2.13.0+cpu":  # a CUDA build ("2.13.0+cu12x") would also start with 2.13.0
         sys.exit(f"{venv}: torch {torch_v} is not the pinned CPU build (remove the venv)")
     return str(py)
 
