@@ -320,8 +320,9 @@ class EmbeddedEngine(RolloutEngine):
         live_steps: List[Tensor] = []
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         next_pos = pos[:, -1] + 1
-        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)
-        stop_ids = stop_ids.to(self.device)
+        stop_ids = torch.tensor(
+            sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=self.device
+        )
         logits = out.logits[:, -1]
         for step in range(sampling.max_new_tokens):
             if self.logit_noise > 0:  # the engine's own distribution is the perturbed one
