@@ -37,6 +37,8 @@ setup(
         # SGLang pins its own torch (2.14.1) and transformers: install it in a separate
         # environment (README: two environments); the trainer only talks to it over HTTP/NCCL.
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
+        # reasoning-gym's procedural tasks and verifiers (data.task: reasoning_gym:<name>)
+        "tasks": ["reasoning-gym==0.1.25"],
         # Weights & Biases logging (off by default; tests use its offline mode)
         "wandb": ["wandb"],
         # accelerate: transformers' FP8 checkpoint loader needs it (the FP8 export's test)

@@ -500,7 +500,35 @@ def load_config(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Tr
             raise ConfigError(f"recipe {p}: invalid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {p}: the top level must be a mapping")
-    return _build(TrainConfig, apply_overrides(data, overrides))
+    return resolve_task(_build(TrainConfig, apply_overrides(data, overrides)))
+
+
+def resolve_task(cfg: TrainConfig) -> TrainConfig:
+    """With ``data.task`` set: its splits written (once) as jsonl files under
+    ``{run.dir}/tasks/``, which become ``data.path`` and, unless given, ``data.eval_path``."""
+    d = cfg.data
+    if not d.task:
+        return cfg
+    if d.path:
+        raise ConfigError(f"data.task={d.task!r} and data.path={d.path!r}: set one of them")
+    if cfg.reward.kind not in ("reasoning_gym", "python"):
+        raise ConfigError(
+            f"data.task={d.task!r} is scored by its dataset: set reward.kind: reasoning_gym "
+            f"(got {cfg.reward.kind!r})"
+        )
+    for key, v in (
+        ("task_train_size", d.task_train_size),
+        ("task_heldout_size", d.task_heldout_size),
+    ):
+        if v < 1:
+            raise ConfigError(f"data.{key}={v} must be >= 1")
+    from .tasks.reasoning_gym import materialize
+
+    train, held = materialize(
+        d.task, dict(d.task_args), d.task_format, d.task_seed, d.task_train_size,
+        d.task_heldout_size, Path(cfg.run.dir) / "tasks",
+    )  # fmt: skip
+    return replace(cfg, data=replace(d, path=str(train), eval_path=d.eval_path or str(held)))
 
 
 def to_dict(cfg) -> dict:

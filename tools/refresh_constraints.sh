@@ -16,10 +16,10 @@ trap 'rm -rf "$tmp"' EXIT
 python3 -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q --upgrade pip
 printf 'torch==%s\nmegatron-core==%s\n' "$TORCH" "$MCORE" > "$tmp/seed.txt"
-"$tmp/venv/bin/python" -m pip install -q -c "$tmp/seed.txt" -e ".[dev]"
+"$tmp/venv/bin/python" -m pip install -q -c "$tmp/seed.txt" -e ".[dev,tasks]"
 {
   echo "# CPU lock file: the exact versions tested on the CPU path (developers, CI, the quickstart)."
-  echo "# Used as pip constraints: pip install -c constraints-cpu.txt -e \".[dev]\"."
+  echo "# Used as pip constraints: pip install -c constraints-cpu.txt -e \".[dev,tasks]\"."
   echo "# torch is pinned so no dependency pulls a multi-GB CUDA build; clusters install their own"
   echo "# CUDA torch and skip this file. Refresh: bash tools/refresh_constraints.sh (see README)."
   "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -v '^-e ' | grep -v '^pip==' \

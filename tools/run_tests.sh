@@ -9,7 +9,7 @@ VENV=${VENV:-.venv}
 [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+python -m pip install -q -c constraints-cpu.txt -e ".[dev,tasks]"
 # the SGLang serving environment (its own venv, constraints-sglang.txt) for the real-server tier
 bash tools/sglang_env.sh
 SGLANG_PYTHON=$(realpath "${SGLANG_VENV:-.venv-sglang}")/bin/python

@@ -19,10 +19,11 @@ RewardFn = Callable[[str, str], float]
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Attributes: kind (math_verify, exact_match, python), function ("module:callable") and
+    """Attributes: kind (math_verify, exact_match, python, reasoning_gym: the task dataset's own
+    ``score_answer``, for ``data.task``), function ("module:callable") and
     overlong (DAPO's soft over-long penalty added to the reward; None = off)."""
 
-    kind: Literal["math_verify", "exact_match", "python"] = "math_verify"
+    kind: Literal["math_verify", "exact_match", "python", "reasoning_gym"] = "math_verify"
     function: str = ""
     overlong: Optional[OverlongConfig] = None
 
@@ -32,7 +33,8 @@ class RewardError(UserError, ValueError):
 
 
 def build_reward(kind: str, function: str = "") -> RewardFn:
-    """``math_verify``, ``exact_match`` or ``python`` (``function = "module:callable"``)."""
+    """``math_verify``, ``exact_match``, ``reasoning_gym`` or ``python``
+    (``function = "module:callable"``)."""
     if kind == "math_verify":
         from .math_answer import math_verify_reward
 
@@ -41,6 +43,10 @@ def build_reward(kind: str, function: str = "") -> RewardFn:
         from .exact_match import exact_match_reward
 
         return exact_match_reward
+    if kind == "reasoning_gym":
+        from ..tasks.reasoning_gym import reasoning_gym_reward
+
+        return reasoning_gym_reward
     if kind == "python":
         if ":" not in function:
             raise RewardError(f"reward.function={function!r} must be 'module:callable'")
@@ -52,7 +58,9 @@ def build_reward(kind: str, function: str = "") -> RewardFn:
         if not callable(fn):
             raise RewardError(f"reward.function={function!r} is not callable")
         return fn
-    raise RewardError(f"reward.kind={kind!r}; choose math_verify, exact_match or python")
+    raise RewardError(
+        f"reward.kind={kind!r}; choose math_verify, exact_match, reasoning_gym or python"
+    )
 
 
 def score_samples(

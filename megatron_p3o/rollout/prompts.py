@@ -11,9 +11,9 @@ change of DP size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Literal, Tuple
+from typing import Any, Dict, List, Literal, Tuple
 
 import torch
 
@@ -27,7 +27,14 @@ class DataConfig:
     answer_key, chat_template, shuffle, eval_every (steps; 0 = only at start and end),
     eval_precision ("trainer": a second embedded engine in ``model.params_dtype``, so scores
     measure the policy and not the rollout precision; "rollout": the rollout engine itself;
-    SGLang always evaluates on its server)."""
+    SGLang always evaluates on its server).
+
+    A reasoning-gym task in place of a file (:mod:`..tasks.reasoning_gym`): task
+    (``reasoning_gym:<name>``), task_args (the generator's config), task_format (``question``
+    or ``chain_scratchpad``), task_seed (the splits' seed: the same held-out set for every
+    ``run.seed``), task_train_size / task_heldout_size (problems per split). The splits are
+    written as jsonl under ``{run.dir}/tasks/`` and become ``path`` and (unless set)
+    ``eval_path``; ``reward.kind: reasoning_gym`` scores them."""
 
     path: str = ""
     split: str = "train"
@@ -38,6 +45,12 @@ class DataConfig:
     answer_key: str = "answer"
     chat_template: bool = False
     shuffle: bool = True
+    task: str = ""
+    task_args: Dict[str, Any] = field(default_factory=dict)
+    task_format: str = "question"
+    task_seed: int = 0
+    task_train_size: int = 10000
+    task_heldout_size: int = 500
 
 
 @dataclass
