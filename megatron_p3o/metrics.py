@@ -198,7 +198,8 @@ PER_STEP_KEYS = (
     "seq_clip_frac",
     "is_capped_frac",
     "frac_rho_above_ess",
-    "mis_masked_frac",
+    "mask_frac",
+    "seq_mask_frac",
     "loss",
     "grad_norm",
 )

@@ -59,6 +59,7 @@ from .loss.ess import (
     ess_tensor,
 )
 from .loss.logprob import vocab_parallel_logprobs
+from .loss.m2po import m2_cut, m2_values
 from .loss.registry import Objective
 from .loss.terms import LossInputs, StepStats
 from .metrics import StepMetrics
@@ -353,6 +354,38 @@ class PolicyUpdate:
             dist.broadcast(t, src=self.groups.last_stage_global_rank(), group=self.groups.pp)
         return tuple(None if v != v else v for v in t.tolist())
 
+    # -- M2PO: the step's second-moment cut ----------------------------------------------------
+    def _m2po_cut(self, microbatches: List[MicroBatch]) -> tuple:
+        """M2PO's ``(cut, kept tokens)`` over the step's global token set: (ℓold − ℓb)² of every
+        valid token of every micro-batch, gathered over DP (CP ranks hold the same whole
+        sequences; the last pipeline stage holds ℓold). One host read."""
+        if not self.groups.is_last_stage():
+            return None, None
+        parts = []
+        for mb in microbatches:
+            r = mb["response"]
+            inp = LossInputs(
+                r["mask"].new_zeros(()), r["behavior_logprobs"], None, r["mask"].float(),
+                old_logprobs=r["old_logprobs"],
+            )  # fmt: skip
+            parts.append(m2_values(inp))
+        local = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        local = local.to(self.groups.device)
+        if self.groups.layout.dp_enabled:
+            # DP group: each DP rank holds a disjoint share of the step's tokens; the cut needs
+            # all of them (sizes first: the shares differ in length).
+            n = torch.tensor([local.numel()], device=local.device)
+            sizes = [torch.zeros_like(n) for _ in range(self.groups.layout.dp)]
+            dist.all_gather(sizes, n, group=self.groups.dp)
+            width = int(max(int(x) for x in sizes))
+            padded = torch.zeros(width, dtype=local.dtype, device=local.device)
+            padded[: local.numel()] = local
+            bufs = [torch.empty_like(padded) for _ in sizes]
+            dist.all_gather(bufs, padded, group=self.groups.dp)
+            local = torch.cat([b[: int(k)] for b, k in zip(bufs, sizes)])
+        cut, _ = m2_cut(local, self.objective.hyper.tau)
+        return cut, float(local.numel() - int((local >= cut).sum()))
+
     # -- ℓold / ℓprox: the policy at the start of the rollout batch ---------------------------
     def recompute_old_logprobs(self, chunks, microbatches: List[MicroBatch]) -> None:
         """Store ``response.old_logprobs`` (ℓθ before this rollout batch's first update, no grad)
@@ -394,6 +427,10 @@ class PolicyUpdate:
         want_ent = self.objective.needs_entropy or (self.cfg.log_entropy and not entropy_done)
         micro_stats: List[torch.Tensor] = []
         norm = n_seq if self.objective.per_sequence else n_tok
+        cut = m2_kept = None  # M2PO: the step's cut and its kept tokens (the normalizer)
+        if self.objective.needs_m2_cut:
+            cut, m2_kept = self._m2po_cut(microbatches)
+            norm = m2_kept
         watch = FiniteWatch()
 
         # One micro-batch reads nothing on the host (each read stalls the device stream):
@@ -412,7 +449,7 @@ class PolicyUpdate:
                 micro_stats.append(st)
                 e = ess_tensor(st[:3])
                 e_p = ess_tensor(st[3:]) if st.numel() > 3 else None
-            stats = StepStats(n_tokens=n_tok, n_seqs=n_seq, ess=e, ess_prox=e_p)
+            stats = StepStats(n_tok, n_seq, e, e_p, m2po_cut=cut, m2po_kept=m2_kept)
             total, pairs = self.objective.terms(inp, stats)
             loss = total / norm
             with torch.no_grad():
@@ -426,6 +463,8 @@ class PolicyUpdate:
 
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
         metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
+        if m2_kept is not None:
+            metrics["m2po_kept_tokens"] = m2_kept
         micro_ess: List[tuple] = []  # (e_B, e_prox or None) per ESS pool
         if self.groups.is_last_stage():
             acc.add(_NONFINITE, watch.count(self.groups.device), 1.0)

@@ -5,6 +5,11 @@
 GRPO aggregates a sequence-mean of token-means; PPO and DAPO a token-mean.
 TIS multiplies each token's loss by min(v, C), v = sg(exp(ℓold − ℓb)); MIS drops tokens (or
 whole sequences, by product or geometric mean of v) with v ∉ [C_low, C_high].
+IcePop (``mis_weighted``, token level) multiplies the kept tokens by v itself:
+    loss_t = 1[C_low ≤ v_t ≤ C_high] · v_t · s_t       (NeMo-RL ``icepop``, AReaL, slime)
+seq-mask-TIS (``mis_weighted``, ``seq_geomean``) keeps whole sequences by the geometric mean:
+    loss_t = 1[C_low ≤ exp(mean_t log v_t) ≤ C_high] · v_t · s_t     (NeMo-RL ``seq-mask-tis``)
+with s_t the clipped surrogate; docs/objectives.md has the sources and defaults.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class ClipConfig:
         tis_cap: C of truncated importance sampling (None = off).
         mis_low / mis_high: masked-importance-sampling band [C_low, C_high] (None = off).
         mis_level: "token", "seq_product" or "seq_geomean".
+        mis_weighted: the tokens MIS keeps are weighted by v (IcePop, seq-mask-TIS), not by 1.
     """
 
     eps_low: float = 0.2
@@ -47,6 +53,7 @@ class ClipConfig:
     mis_low: float | None = None
     mis_high: float | None = None
     mis_level: str = "token"
+    mis_weighted: bool = False
 
     def __post_init__(self):
         if self.aggregation not in ("token_mean", "seq_mean_token_mean"):
@@ -57,10 +64,15 @@ class ClipConfig:
             raise ValueError(f"mis_level={self.mis_level!r}: use token, seq_product or seq_geomean")
         if (self.mis_low is None) != (self.mis_high is None):
             raise ValueError("mis_low and mis_high must be set together")
+        if self.mis_low is not None and not 0 <= self.mis_low <= self.mis_high:
+            raise ValueError(f"MIS band [{self.mis_low}, {self.mis_high}]: need 0 <= low <= high")
+        if self.mis_weighted and self.mis_low is None:
+            raise ValueError("mis_weighted needs the band mis_low / mis_high")
 
 
 def _mis_keep(log_v, mask, h: ClipConfig):
-    lo, hi = math.log(h.mis_low), math.log(h.mis_high)
+    lo = math.log(h.mis_low) if h.mis_low > 0 else -math.inf
+    hi = math.log(h.mis_high)
     if h.mis_level == "token":
         lv = log_v
     elif h.mis_level == "seq_product":
@@ -83,8 +95,11 @@ def clip_terms(inp: LossInputs, stats: StepStats, h: ClipConfig):
             per_tok = per_tok * torch.clamp(torch.exp(log_v), max=h.tis_cap)
         if h.mis_low is not None:
             keep = _mis_keep(log_v, m, h)
-            metrics["mis_masked_frac"] = (((1 - keep) * m).sum(), m.sum())
-            per_tok = per_tok * keep
+            metrics["mask_frac"] = (((1 - keep) * m).sum(), m.sum())
+            if h.mis_level != "token":  # a sequence's tokens share its keep
+                has = (m.sum(-1) > 0).to(m.dtype)
+                metrics["seq_mask_frac"] = (((1 - keep[:, 0]) * has).sum(), has.sum())
+            per_tok = per_tok * (keep * torch.exp(log_v) if h.mis_weighted else keep)
     if h.kl_coef:
         per_tok = per_tok + h.kl_coef * k3(inp.logprobs, inp.ref_logprobs, m)
     if h.aggregation == "seq_mean_token_mean":

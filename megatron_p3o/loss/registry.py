@@ -22,6 +22,7 @@ from .decoupled_ppo import DecoupledPPOConfig, decoupled_ppo_terms
 from .diagnostics import add_mismatch_metrics, finalize_mismatch
 from .ess import check_finite, ess_from_stats, ess_stats
 from .gspo import GSPOConfig, gspo_terms
+from .m2po import M2POConfig, m2_cut, m2_values, m2po_terms
 from .oapl import OAPLConfig, oapl_advantages, oapl_terms
 from .p3o import P3OConfig, p3o_terms
 from .p4o import P4OConfig, p4o_terms
@@ -35,7 +36,8 @@ from .terms import LossInputs, StepStats
 class ObjectiveSpec:
     config_cls: type
     terms: Callable
-    needs: Tuple[str, ...] = ()  # of: ess, ess_prox, old, ref (also: when a coef is set), value
+    # of: ess, ess_prox, old, ref (also: when a coef is set), value, m2 (M2PO's step-wide cut)
+    needs: Tuple[str, ...] = ()
     # its ratio is against πold when ℓold is given, else against πb ("bypass"): the trainer
     # recomputes ℓold unless ``loss.old_logprobs: behaviour`` (PPO, GRPO, DAPO, GSPO, CISPO)
     old_optional: bool = False
@@ -79,6 +81,28 @@ OBJECTIVES: Dict[str, ObjectiveSpec] = {
     "mis": ObjectiveSpec(
         ClipConfig, clip_terms, needs=("old",), defaults={"mis_low": 0.5, "mis_high": 2.0}
     ),
+    # IcePop: tokens whose v = πold/πb leaves [0.5, 5] drop out, the rest are weighted by v
+    # (NeMo-RL's reference config, AReaL's rejection sampling, slime's icepop_function)
+    "icepop": ObjectiveSpec(
+        ClipConfig,
+        clip_terms,
+        needs=("old",),
+        defaults={"mis_low": 0.5, "mis_high": 5.0, "mis_weighted": True},
+    ),
+    # seq-mask-TIS: sequences whose geometric-mean v leaves [0.999, 1.002] drop out, the
+    # rest are weighted by the raw token v (NeMo-RL's seq-mask-tis and its reference band)
+    "seq_mask_tis": ObjectiveSpec(
+        ClipConfig,
+        clip_terms,
+        needs=("old",),
+        defaults={
+            "mis_low": 0.999,
+            "mis_high": 1.002,
+            "mis_level": "seq_geomean",
+            "mis_weighted": True,
+        },
+    ),
+    "m2po": ObjectiveSpec(M2POConfig, m2po_terms, needs=("old", "m2")),
     "gspo": ObjectiveSpec(GSPOConfig, gspo_terms, old_optional=True, per_sequence=True),
     "gspo_token": ObjectiveSpec(
         GSPOConfig,
@@ -135,6 +159,11 @@ class Objective:
         return "ess" in self.spec.needs
 
     @property
+    def needs_m2_cut(self) -> bool:
+        """M2PO: a cut on (ℓold − ℓb)² over the whole step, known before the gradient pass."""
+        return "m2" in self.spec.needs
+
+    @property
     def needs_ess_prox(self) -> bool:
         return "ess_prox" in self.spec.needs
 
@@ -167,6 +196,8 @@ class Objective:
         return bool(getattr(self.hyper, "entropy_coef", 0))
 
     def normalizer(self, stats: StepStats) -> float:
+        if self.needs_m2_cut:  # M2PO: the mean over the kept tokens (AReaL's)
+            return stats.m2po_kept
         return stats.n_seqs if self.per_sequence else stats.n_tokens
 
     def check_inputs(self, inp: LossInputs) -> None:
@@ -235,8 +266,18 @@ def step_stats(objective: Objective, inp: LossInputs) -> StepStats:
         if objective.needs_ess_prox
         else None
     )
+    cut = kept = None
+    if objective.needs_m2_cut:
+        sq = m2_values(inp)
+        cut, k = m2_cut(sq, objective.hyper.tau)
+        kept = float(sq.numel() - int((sq >= cut).sum()))
     return StepStats(
-        n_tokens=float(m.sum()), n_seqs=float((m.sum(-1) > 0).sum()), ess=ess, ess_prox=ess_p
+        n_tokens=float(m.sum()),
+        n_seqs=float((m.sum(-1) > 0).sum()),
+        ess=ess,
+        ess_prox=ess_p,
+        m2po_cut=cut,
+        m2po_kept=kept,
     )
 
 

@@ -56,12 +56,16 @@ class StepStats:
             "step"), or a device scalar (scope "microbatch": computed inside the micro-batch,
             never read on the host there).
         ess_prox: ESS of πθ/πprox over the step (P4O), or None; float or device scalar too.
+        m2po_cut: M2PO's cut on (ℓold − ℓb)² over the step's tokens (inf: none masked), and
+        m2po_kept: the step's count of kept tokens (its loss normalizer); None otherwise.
     """
 
     n_tokens: float
     n_seqs: float
     ess: Optional[Union[float, Tensor]] = None
     ess_prox: Optional[Union[float, Tensor]] = None
+    m2po_cut: Optional[float] = None
+    m2po_kept: Optional[float] = None
 
 
 def masked_log_ratio(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:

@@ -57,7 +57,7 @@ def _my_share(samples, adv, groups):
 
 def packed_step(
     groups, family, init, out, mode="packed", objective="p3o", balance=True, scope="step",
-    dispatcher="allgather",
+    dispatcher="allgather", hyper=None,
 ):  # fmt: skip
     """One optimizer step's gradients (saved to ``out``) with packed or padded micro-batches."""
     chunks = _build(family, groups, seq=BUDGET, dispatcher=dispatcher)
@@ -72,11 +72,13 @@ def packed_step(
     equal = scope == "microbatch"
     (mbs,), stats = MicroBatcher(cfg, groups, BUDGET, 0, equal_counts=equal).build(mine, adv)
     step = PolicyUpdate(
-        build_objective(objective),
+        build_objective(objective, **(hyper or {})),
         groups,
         FAMILIES[family]["vocab_size"],
         LossConfig(ess_scope=scope),
     )
+    if step.objective.needs_old_logprobs:  # as the trainer does: ℓold at the step's weights
+        step.recompute_old_logprobs(ddp, mbs)
     zero_grads(ddp)
     metrics = step.run(ddp, mbs)
     save_grads(chunks, out)
@@ -84,7 +86,7 @@ def packed_step(
     return {"metrics": metrics, "stats": stats, "shapes": shapes}
 
 
-def reference(groups, family, init, compare_dirs=(), objective="p3o"):
+def reference(groups, family, init, compare_dirs=(), objective="p3o", hyper=None):
     """float64 loss of the whole step from per-sequence forwards; grads vs ``compare_dirs``."""
     from tests.unit.test_objectives import ref_loss
 
@@ -108,8 +110,10 @@ def reference(groups, family, init, compare_dirs=(), objective="p3o"):
         mask[i, :c] = 1.0
     lp = torch.stack([torch.nn.functional.pad(r, (0, longest - r.numel())) for r in rows])
     adv = advantages_for(objective, samples).double()
+    # ℓold: the recompute at the step's weights is ℓθ itself (objectives that need it)
+    lold = lp.detach() if build_objective(objective).needs_old_logprobs else lb
     x = dict(
-        lp=lp, lb=lb, lold=lb, lref=None, mask=mask, adv=adv,
+        lp=lp, lb=lb, lold=lold, lref=None, mask=mask, adv=adv, hyper=hyper or {},
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
         groups=torch.tensor([s.group_id for s in samples]),
     )  # fmt: skip

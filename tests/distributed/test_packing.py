@@ -119,3 +119,39 @@ def test_microbatch_ess_scope_gets_equal_microbatch_counts(pools, tmp_path, init
     counts = [len(r["shapes"]) for r in res]
     assert counts[0] == counts[1] and counts[0] >= 3, counts
     assert all(0 < r["metrics"]["ess"] <= 1 for r in res)
+
+
+# hyper-parameters of the mismatch corrections here: a seq-mask-TIS band that keeps some of these
+# sequences (NeMo-RL's [0.999, 1.002] keeps none of random ones); IcePop and M2PO at defaults
+MISMATCH = {"icepop": {}, "seq_mask_tis": {"lo": 0.8, "hi": 1.25}, "m2po": {}}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("objective", sorted(MISMATCH))
+def test_mismatch_corrections_packed_in_every_layout(pools, tmp_path, init_ckpts, objective):
+    """IcePop, seq-mask-TIS and M2PO, packed, at TP=2 / PP=2 / CP=2 / DP=2: the loss and every
+    gradient equal the float64 single-process reference (M2PO's cut spans every micro-batch
+    and DP rank)."""
+    init = init_ckpts("llama")
+    h = MISMATCH[objective]
+    hyper = {"mis_low": h["lo"], "mis_high": h["hi"]} if h else {}
+    ref_hyper = {objective: h} if h else {}
+    outs, losses, fracs = [], {}, {}
+    for layout in LAYOUTS:
+        out = str(tmp_path / _ids(layout))
+        res = _run(pools, layout, init, out, mode="packed", objective=objective, hyper=hyper)
+        outs.append(out)
+        losses[out] = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
+        fracs[out] = {r["metrics"]["mask_frac"] for r in res if "mask_frac" in r["metrics"]}
+    ref = pools(2).run(
+        pb.reference, Layout(), family="llama", init=init, compare_dirs=outs,
+        objective=objective, hyper=ref_hyper,
+    )[0]  # fmt: skip
+    for out in outs:
+        assert losses[out] and all(
+            abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) for x in losses[out]
+        ), (out, losses[out], ref["loss"])
+        assert len(fracs[out]) == 1 and 0 < next(iter(fracs[out])) < 1, (out, fracs[out])
+        bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+        assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"
+    assert len({next(iter(f)) for f in fracs.values()}) == 1, fracs  # one mask in every layout

@@ -77,6 +77,29 @@ def ref_loss(name, x):
             v = torch.exp(_d(lold, lb, m))
             s = s * ((v >= 0.5) & (v <= 2.0)).double()
         return _seq_mean_tok_mean(s, m) if name == "grpo" else _tok_mean(s, m)
+    if name in ("icepop", "seq_mask_tis"):
+        h = {**MISMATCH_DEFAULTS[name], **x.get("hyper", HYPER).get(name, {})}
+        r = torch.exp(_d(lp, lold.detach(), m))
+        s = _surr(r, A, 0.2, 0.2)
+        v = torch.exp(_d(lold, lb, m))
+        if name == "icepop":
+            keep = (v >= h["lo"]) & (v <= h["hi"])
+        else:  # geometric mean over each sequence's valid tokens
+            g = torch.exp(_d(lold, lb, m).sum(-1) / m.sum(-1).clamp_min(1))[:, None]
+            keep = ((g >= h["lo"]) & (g <= h["hi"])).expand_as(v)
+        return _tok_mean(s * v * keep.double(), m)
+    if name == "m2po":
+        delta2 = [(float(_d(lold, lb, m)[i, t]) ** 2, i, t) for i, t in (m > 0).nonzero().tolist()]
+        kept = sorted(delta2, reverse=True)
+        tau = x.get("hyper", {}).get("m2po", {}).get("tau", 0.04)
+        while len(kept) > 1 and sum(v for v, _, _ in kept) / len(kept) >= tau:
+            kept.pop(0)  # greedy: the largest (ℓold − ℓb)² leaves until the mean is below τ
+        keep = torch.zeros_like(m)
+        for _, i, t in kept:
+            keep[i, t] = 1.0
+        r = torch.exp(_d(lp, lold.detach(), m))
+        w = torch.exp(_d(lold, lb, m)).detach()
+        return (keep * w * _surr(r, A, 0.2, 0.2)).sum() / keep.sum()
     if name in ("gspo", "gspo_token"):
         has = m.sum(-1) > 0
         d = _d(lp, lold.detach(), m)
@@ -117,6 +140,17 @@ def ref_loss(name, x):
     raise KeyError(name)
 
 
+# the defaults of the mismatch corrections (NeMo-RL's reference bands), written here again
+MISMATCH_DEFAULTS = {"icepop": {"lo": 0.5, "hi": 5.0}, "seq_mask_tis": {"lo": 0.999, "hi": 1.002}}
+# a band that keeps some of these test sequences and masks others
+HYPER = {"seq_mask_tis": {"lo": 0.8, "hi": 1.25}}
+
+
+def _hyper(name):
+    h = HYPER.get(name, {})
+    return {"mis_low": h["lo"], "mis_high": h["hi"]} if h else {}
+
+
 NAMES = [
     "p3o",
     "p4o",
@@ -126,6 +160,9 @@ NAMES = [
     "dapo",
     "tis",
     "mis",
+    "icepop",
+    "seq_mask_tis",
+    "m2po",
     "gspo",
     "gspo_token",
     "cispo",
@@ -149,6 +186,7 @@ def test_objective_matches_float64_reference(name, old_noise):
         ref_logprobs=x["lref"],
         rewards=x["rewards"],
         group_ids=x["groups"],
+        **_hyper(name),
     )
     (g,) = torch.autograd.grad(loss, lp)
     lp_ref = x["lp"].clone().requires_grad_()
@@ -185,7 +223,7 @@ def test_old_logprobs_mode_changes_only_the_ratio_denominator(name):
     assert abs(float(bypass) - grads[0][0]) > 1e-6
     obj = build_objective(name)
     assert obj.recomputes_old("recompute") and not obj.recomputes_old("behaviour")
-    for always in ("tis", "mis", "decoupled_ppo", "p4o"):
+    for always in ("tis", "mis", "icepop", "seq_mask_tis", "m2po", "decoupled_ppo", "p4o"):
         assert build_objective(always).recomputes_old("behaviour")
     assert not build_objective("p3o").recomputes_old("recompute")
     assert build_objective("p3o", kl_anchor="old").recomputes_old("behaviour")
