@@ -250,6 +250,13 @@ def dry_run(recipe: str, cfg: TrainConfig, world_size: int, gpu_gib: float) -> i
                 f"GiB; use mem_fraction_static <= {int(room * 100) / 100:.2f} or shrink the "
                 "trainer's state (--dry-run prints the breakdown)"
             )
+    d = cfg.data
+    if d.task:  # resolve_task wrote (or found) the splits when the recipe was loaded
+        n_train, n_held = (len(Path(p).read_text().splitlines()) for p in (d.path, d.eval_path))
+        lines.append(
+            f"data: {d.task} ({d.task_format}) {dict(d.task_args)}, task seed {d.task_seed}: "
+            f"{n_train} train / {n_held} held-out problems in {Path(d.path).parent}"
+        )
     print(f"{recipe}: OK (world size {world_size})")
     print("\n".join(lines))
     return 0

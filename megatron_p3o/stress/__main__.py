@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     )
 
     from megatron_p3o.stress.grid import cell_config, cells, load_grid
+    from megatron_p3o.stress.provenance import provenance
     from megatron_p3o.stress.report import write_report
     from megatron_p3o.stress.runner import finished, run_cell, step_rows
 
@@ -86,7 +87,10 @@ def main(argv=None) -> int:
                     continue
                 cfg = cell_config(grid, c, world)
                 st = bar.add_task(f"  {c.id}", total=cfg.steps)
-                s = run_cell(grid, c, cfg, rank, on_step=lambda m, st=st: bar.advance(st))
+                prov = provenance(a.grid, cfg.model.checkpoint)
+                s = run_cell(
+                    grid, c, cfg, rank, on_step=lambda m, st=st: bar.advance(st), provenance=prov
+                )
                 bar.remove_task(st)
                 bar.advance(grid_task)
                 con.print(

@@ -14,6 +14,7 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
       bf16: {family: baseline, level: 0, set: {}}
       noise_0.5: {family: logprob_noise, level: 0.5, set: {rollout.logprob_noise: 0.5}}
     seeds: [1, 2]
+    comparators: [grpo_eps0.2]           # P3O is tested against these (named before the runs)
     eval_limit: 200                      # held-out prompts per evaluation (0 = all)
     notes: |                             # your reading of the results, kept in the report
       ...
@@ -59,6 +60,8 @@ class GridConfig:
     objectives: Dict[str, ObjectiveSpec] = field(default_factory=dict)
     mismatch: Dict[str, MismatchSpec] = field(default_factory=dict)
     seeds: List[int] = field(default_factory=lambda: [1])
+    # objective labels P3O is tested against, named before the runs (empty: every baseline)
+    comparators: List[str] = field(default_factory=list)
     eval_limit: int = 0
     world_size: int = 1  # ranks each cell runs on (checked by --list on a laptop)
     notes: str = ""  # the experimenter's reading, printed in the report above the computed findings
@@ -108,6 +111,11 @@ def load_grid(path: str | Path) -> GridConfig:
         raise ConfigError(f"grid {p}: 'base' (the recipe every cell starts from) is required")
     if not grid.seeds:
         raise ConfigError(f"grid {p}: 'seeds' is empty")
+    for c in grid.comparators:
+        if c not in objectives:
+            raise ConfigError(
+                f"grid {p}: comparators: {c!r} is not an objective label ({sorted(objectives)})"
+            )
     return grid
 
 

@@ -11,7 +11,8 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..metrics import COARSE_HIST_RANGE
 from .grid import GridConfig
-from .stats import by_seed, paired_bootstrap, versus_best_baseline
+from .provenance import mixed
+from .stats import adjust, best_baseline_bootstrap, seed_paired, seed_scores
 
 STEP_KEYS = (
     "reward_mean",
@@ -240,75 +241,85 @@ def _mean_of(cells: List[dict], mm: str, key: str) -> float:
     return _stats([c.get(key) for c in cells if c["mismatch"] == mm and c["status"] == "ok"])[0]
 
 
+def _comparators(grid: GridConfig, baselines: List[str]) -> List[str]:
+    """The pre-registered comparators (``comparators:`` in the grid), else every baseline."""
+    return list(grid.comparators) or baselines
+
+
+def _spread(scores: Dict[int, float]) -> str:
+    xs = list(scores.values())
+    if not xs:
+        return "—"
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return f"{m:.3f} ± {sd:.3f} (n={len(xs)})"
+
+
 def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]:
-    """The paired table (P3O − best baseline per setting, bootstrap 95% CI over seeds × prompts;
-    P3O's ablations − P3O) and the sentences computed from it."""
+    """The seed-level table: per setting, P3O − each pre-registered comparator (and each P3O
+    ablation − P3O) as paired per-seed differences of final accuracy, with the 95% t-interval,
+    the t-test p, its Holm adjustment over every test of the report, and the exact sign-flip p;
+    a call only where the corrected test rejects. Also the sentences computed from it."""
     p3o, ablations, baselines = _subject(grid)
+    comps = _comparators(grid, baselines)
+    rows, tests = [], []
+    for mm in grid.mismatch:
+        mine = seed_scores(cells, p3o, mm) if p3o else {}
+        for c in comps:
+            rows.append((mm, f"P3O − {c}", mine, seed_scores(cells, c, mm)))
+            tests.append(seed_paired(mine, rows[-1][3], c))
+        for a in ablations:
+            theirs = seed_scores(cells, a, mm)
+            rows.append((mm, f"{a} − P3O", theirs, mine))
+            tests.append(seed_paired(theirs, mine, a))
+    tests = adjust(tests)
     lines = [
-        r"| setting | measured mismatch: mean \|Δℓ\| first step / run, p99 first, "
-        "KL(πb‖πθ) first (p99 resolves 0.01: histogram bins) | P3O | best baseline | "
-        "P3O − best [95% CI] | verdict |" + "".join(f" {a} − P3O [95% CI] |" for a in ablations),
-        "|---" * (6 + len(ablations)) + "|",
+        "| setting | comparison | first | second | per-seed differences | mean Δ [95% t-CI] | "
+        "p (t) | p Holm | p sign-flip | call |",
+        "|---" * 10 + "|",
     ]
     said: Dict[str, List[str]] = defaultdict(list)
-    for mm in grid.mismatch:
-        m = {k: _mean_of(cells, mm, k) for k in _MISMATCH_KEYS}
-        mism = (
-            f"{m['abs_diff_first']:.2g} / {m['abs_diff_run']:.2g}, "
-            f"{m['abs_diff_p99_first']:.2g}, {m['kl_b_theta_first']:.2g}"
-        )
-        res = versus_best_baseline(cells, mm, p3o, baselines) if p3o else None
-        if res is None:
-            lines.append(f"| {mm} | {mism} | — | — | — | — |" + " — |" * len(ablations))
+    for (mm, what, first, second), t in zip(rows, tests):
+        if t is None:
+            lines.append(f"| {mm} | {what} | {_spread(first)} | {_spread(second)} |" + " — |" * 6)
             continue
-        best, d = res
-        mine = _stats(
-            [c["acc_end"] for c in cells if c["objective"] == p3o and c["mismatch"] == mm]
+        call = t.call()
+        per = ", ".join(f"{d:+.2f}" for d in t.diffs)
+        lines.append(
+            f"| {mm} | {what} | {_spread(first)} | {_spread(second)} | {per} | "
+            f"{t.mean:+.3f} [{t.lo:+.3f}, {t.hi:+.3f}] | {t.p_t:.3g} | {t.p_adj:.3g} | "
+            f"{t.p_perm:.3g} | **{call}** |"
         )
-        theirs = _stats(
-            [c["acc_end"] for c in cells if c["objective"] == best and c["mismatch"] == mm]
-        )
-        row = (
-            f"| {mm} | {mism} | {mine[0]:.3f} | {best} {theirs[0]:.3f} | "
-            f"{d.diff:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}] | **{d.verdict}** |"
-        )
-        said[d.verdict].append(f"{mm} ({d.diff:+.3f} vs {best})")
-        for a in ablations:
-            x, y = by_seed(cells, a, mm), by_seed(cells, p3o, mm)
-            common = sorted(set(x) & set(y))
-            if not common:
-                row += " — |"
-                continue
-            r = paired_bootstrap([x[s] for s in common], [y[s] for s in common])
-            row += f" {r.diff:+.3f} [{r.lo:+.3f}, {r.hi:+.3f}] |"
-            if r.verdict != "tie":
-                said[f"ablation:{a}"].append(f"{mm} ({r.diff:+.3f})")
-        lines.append(row)
-    text = []
-    for v, what in (("win", "P3O is ahead of the best baseline"), ("loss", "P3O is behind it")):
+        said[call].append(f"{mm}: {what} {t.mean:+.3f} (Holm p {t.p_adj:.2g})")
+    n_tests = sum(t is not None for t in tests)
+    text = [
+        f"- {n_tests} paired seed-level tests; calls need the Holm-adjusted t-test p < 0.05 over "
+        "all of them and the exact sign-flip p < 0.05 (its floor is 2/2^seeds)."
+    ]
+    for v, what in (("win", "Ahead"), ("loss", "Behind")):
         if said[v]:
-            text.append(f"- {what}, the interval excluding 0, in: " + ", ".join(said[v]) + ".")
-    if said["tie"]:
-        text.append(
-            "- No difference resolved (the interval holds 0) in: " + ", ".join(said["tie"]) + "."
-        )
-    for a in ablations:
-        got = said[f"ablation:{a}"]
-        text.append(
-            f"- Ablation {a} vs P3O: "
-            + (
-                "differs, the interval excluding 0, in " + ", ".join(got) + "."
-                if got
-                else "no setting where the difference is resolved."
+            text.append(f"- {what} after correction: " + "; ".join(said[v]) + ".")
+    if not said["win"] and not said["loss"]:
+        text.append("- No difference survives the correction.")
+    if p3o:
+        for mm in grid.mismatch:
+            bb = best_baseline_bootstrap(
+                seed_scores(cells, p3o, mm), {b: seed_scores(cells, b, mm) for b in baselines}
             )
-        )
+            if bb is not None:
+                shares = ", ".join(f"{k} {v:.0%}" for k, v in bb["chosen"].items() if v)
+                text.append(
+                    f"- {mm}: P3O − best baseline re-selected in each bootstrap replicate "
+                    f"{bb['diff']:+.3f} [{bb['lo']:+.3f}, {bb['hi']:+.3f}] (chosen: {shares}); "
+                    "descriptive, not a corrected test."
+                )
     return lines, text
 
 
 def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
     """Final accuracy against the *measured* mismatch (mean |ℓθ − ℓb| over the run's optimizer
     steps), one panel per family (its levels plus the baseline setting), one line per
-    objective, with bootstrap 95% CI bands (seeds × prompts)."""
+    objective, with 95% t-interval bands over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -329,12 +340,12 @@ def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path
             for mm in members:
                 mine = [c for c in cells if c["objective"] == obj]
                 x = _mean_of(mine, mm, "abs_diff_run")
-                sc = by_seed(cells, obj, mm)
-                if not sc or not math.isfinite(x):
+                sc = seed_scores(cells, obj, mm)
+                zero = {s: 0.0 for s in sc}
+                ci = seed_paired(sc, zero) if math.isfinite(x) else None
+                if ci is None:  # fewer than 2 seeds: no interval to draw
                     continue
-                rows = [sc[s] for s in sorted(sc)]
-                ci = paired_bootstrap(rows, [[0.0] * len(r) for r in rows])
-                pts.append((x, ci.diff, ci.lo, ci.hi))
+                pts.append((x, ci.mean, ci.lo, ci.hi))
             if not pts:
                 continue
             pts.sort()
@@ -357,7 +368,7 @@ def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path
     return _save(
         fig,
         out / "acc_vs_measured_mismatch.png",
-        f"{grid.name}: accuracy vs measured mismatch (bands: bootstrap 95% CI)",
+        f"{grid.name}: accuracy vs measured mismatch (bands: 95% t-CI over seeds)",
     )
 
 
@@ -473,19 +484,26 @@ def write_report(
             + (", ".join(f"`{a}={b}`" for a, b in m.set.items()) or "base recipe as is")
         )
     table, sentences = headline(grid, cells)
+    mixed_from = mixed(cells)
+    md += [""] + [f"**Provenance: {m}.**" for m in mixed_from]
+    if not mixed_from and cells:
+        got = {k: cells[0].get(k, "unrecorded") for k in ("commit", "base_hash", "grid_hash")}
+        md.append(
+            f"Provenance: every cell from commit `{got['commit']}`, base model "
+            f"`{got['base_hash']}`, grid file `{got['grid_hash']}`."
+        )
     md += ["", "## What it shows", ""]
     if grid.notes.strip():
         md += [grid.notes.strip(), "", "Computed from the tables below:", ""]
     md += sentences + findings(grid, cells)
     md += [
         "",
-        "## Headline: P3O against the best baseline of each setting (paired, same seeds and "
-        "prompts)",
+        "## Headline: P3O against the pre-registered comparators (paired by seed)",
         "",
-        "Differences in final held-out accuracy (greedy, trainer precision); 95% CI from a "
-        "two-level bootstrap (seeds, then prompts). A win or loss is called only when the "
-        "interval excludes 0. The best baseline is chosen per setting by its mean, after the "
-        "fact, which favours it slightly.",
+        "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit of "
+        "inference is the seed (each a full training run). Differences are paired per seed; "
+        "95% t-interval over seeds; p-values Holm-adjusted across every test of this report; "
+        "a win or loss is called only when the corrected test rejects.",
         "",
     ] + table
     md += [

@@ -94,6 +94,7 @@ def run_cell(
     cfg: TrainConfig,
     rank: int,
     on_step: Optional[Callable[[dict], None]] = None,
+    provenance: Optional[dict] = None,
 ) -> dict:
     """Train one cell (``cfg`` = ``cell_config(grid, cell, world_size)``); returns its summary
     (also written to ``cell.json`` on rank 0)."""
@@ -137,6 +138,7 @@ def run_cell(
         trainer.close()
         del trainer
         gc.collect()
+    summary.update(provenance or {})  # commit, base model and grid hashes (stress.provenance)
     if rank == 0:
         tmp = run_dir / (SUMMARY + ".tmp")
         tmp.write_text(json.dumps(summary, indent=1))

@@ -70,7 +70,7 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
     ):
         assert (tmp_path / "out" / f).stat().st_size > 0, f
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "P3O − best [95% CI]" in report and "| bf16 |" in report
+    assert "mean Δ [95% t-CI]" in report and "| bf16 | P3O − tis |" in report
     cell = json.loads((tmp_path / "work" / "p3o__bf16__s1" / "cell.json").read_text())
     assert len(cell["final_per_prompt"]) == 20 and cell["opt_steps"] == 2
     marks = {p: p.stat().st_mtime_ns for p in (tmp_path / "work").glob("*/cell.json")}

@@ -1,0 +1,74 @@
+"""Where a stress cell's numbers come from: the code's commit, the base model's hash and the grid
+file's hash, recorded in every ``cell.json`` so that a report can refuse to mix them silently.
+
+Why: a grid resumes cell by cell over days; cells of another commit (or of another base model,
+re-made on another CPU) would otherwise be averaged with the rest without a trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Dict, List
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def code_commit() -> str:
+    """``git rev-parse HEAD`` of this checkout, ``+dirty`` when tracked files differ; "unknown"
+    outside a git checkout (an installed package)."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+            timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def tree_hash(path: str | Path) -> str:
+    """sha256 (first 16 hex digits) over the relative names and bytes of every file under
+    ``path`` (a checkpoint directory) or of the file itself; "missing" when it does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return "missing"
+    h = hashlib.sha256()
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    for f in files:
+        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def provenance(grid_path: str | Path, base_checkpoint: str) -> Dict[str, str]:
+    return {
+        "commit": code_commit(),
+        "base_hash": tree_hash(base_checkpoint) if base_checkpoint else "none",
+        "grid_hash": tree_hash(grid_path),
+    }
+
+
+def mixed(cells: List[dict]) -> List[str]:
+    """One sentence per provenance key whose value differs between the cells (empty: one
+    commit, one base model, one grid file)."""
+    out = []
+    for key, what in (
+        ("commit", "commits"),
+        ("base_hash", "base models"),
+        ("grid_hash", "grid files"),
+    ):
+        values: Dict[str, List[str]] = {}
+        for c in cells:
+            values.setdefault(str(c.get(key, "unrecorded")), []).append(c["cell"])
+        if len(values) > 1:
+            parts = [f"{v} ({len(ids)} cells, e.g. {ids[0]})" for v, ids in sorted(values.items())]
+            out.append(f"cells come from {len(values)} {what}: " + "; ".join(parts))
+    return out
