@@ -1,11 +1,28 @@
-"""Time and peak memory of vocab_parallel_logprobs (forward + backward) against Megatron-Core's
-``vocab_parallel_cross_entropy``, a slime-style log-prob + entropy and a naive
-``log_softmax(...).gather``, side by side, at TP = 1 or 2 (``--tp 2``: two gloo ranks, each
-holding half the vocabulary, rank 0's numbers).
+"""Log-prob benchmarks at TP = 1 or 2 (two gloo ranks, one thread each, rank 0's numbers).
 
-Each (variant, dtype) runs in fresh processes; peak RSS is the kernel's high-water mark
-(VmHWM, reset just before the call); the logits and targets are allocated before the baseline
-is read, so the number is the extra memory the operation needs. Variants:
+**Last stage** (the default): the trainer's whole last-stage cost per micro-batch — the output
+layer's matmul, ℓθ, the metric entropy (no gradient) and the backward into h and W — for
+
+- ``fused``: :func:`~megatron_p3o.loss.fused_logprob.fused_vocab_parallel_logprobs` (the logits
+  never exist whole: chunks of ≈ 16 MB, recomputed in the backward; the trainer's default);
+- ``unfused``: the logits materialised by the matmul, then
+  :func:`~megatron_p3o.loss.logprob.vocab_parallel_logprobs` with its in-place backward;
+- ``slime``: the same materialised logits into slime's own ``calculate_log_probs_and_entropy``
+  (``slime/utils/ppo_utils.py``, loaded at run time from a slime checkout given by ``--slime``
+  or ``$SLIME_REPO``: a work tree or a bare git directory; its code is not part of this project).
+
+at T ∈ ``--tokens-list`` (2048, 8192), V = 32768, h = 512, fp32. Each (variant, T) runs in
+fresh processes; peak memory is the kernel's resident high-water mark (VmHWM, reset just before
+the call) above the inputs. Targets: at the largest T, fused peak ≤ 0.25× unfused, fused time
+≤ 1.1× unfused, the trainer's path (fused) ≤ 0.9× slime's time. Last line:
+``RESULT fused_vs_unfused_time=… fused_vs_unfused_peak=… trainer_vs_slime_time=…``.
+
+    python benchmarks/bench_logprob.py --slime /path/to/slime [--tokens-list 2048,8192 --tp 2]
+
+**Kernel only** (``--kernel``): vocab_parallel_logprobs (forward + backward) on given logits
+against Megatron-Core's ``vocab_parallel_cross_entropy``, a slime-style log-prob + entropy
+written here from its description and a naive ``log_softmax(...).gather``.
+Variants:
 
 - ``ours_inplace``: the trainer's gradient-pass kernel (gradient written into the logits'
   storage, as Megatron does), no entropy: the configuration the trainer runs, because the
@@ -21,7 +38,7 @@ is read, so the number is the extra memory the operation needs. Variants:
 Targets: ≤ 1.0× Megatron's time, ≤ 0.5× the naive peak memory; the trainer's configuration
 (``ours_inplace`` + the entropy's pre-pass increment) ≤ 0.9× slime's time.
 
-    python benchmarks/bench_logprob.py [--tokens 4096 --vocab 32768 --reps 3 --tp 2]
+    python benchmarks/bench_logprob.py --kernel [--tokens 4096 --vocab 32768 --reps 3 --tp 2]
 """
 
 from __future__ import annotations
@@ -161,16 +178,207 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
     }
 
 
+# *_nograd: the no-grad forwards of a step (ESS pre-pass with the metric entropy, ℓold, the
+# reference model): the same matmul + ℓθ + entropy without the backward
+LAST_STAGE = ("fused", "unfused", "slime", "fused_nograd", "unfused_nograd")
+SLIME_FILE = "slime/utils/ppo_utils.py"
+
+
+def load_slime(repo: str):
+    """slime's ``ppo_utils`` module, read from a slime work tree or bare git directory into a
+    temporary file and imported (slime itself is not installed: only this file is needed)."""
+    import importlib.util
+    import tempfile
+
+    path = os.path.join(repo, SLIME_FILE)
+    if os.path.isfile(path):
+        src = open(path).read()
+    else:
+        src = subprocess.run(
+            ["git", "--git-dir", repo, "show", f"HEAD:{SLIME_FILE}"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    tmp = os.path.join(tempfile.mkdtemp(), "slime_ppo_utils.py")
+    with open(tmp, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("slime_ppo_utils", tmp)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _no_zero_entropy_grad() -> None:
+    """The unfused kernel at its best: its autograd materialises a zero gradient for the unused
+    metric entropy, and its backward then pays a log pass over all logits for nothing (the
+    fused kernel sets ``ctx.set_materialize_grads(False)``; the same one line would fix
+    ``loss/logprob.py``). Applied here so the comparison is not flattered by that pass."""
+    from megatron_p3o.loss.logprob import _VocabParallelLogprob as k
+
+    forward = k.forward
+
+    def fwd(ctx, *args):
+        ctx.set_materialize_grads(False)
+        return forward(ctx, *args)
+
+    k.forward = staticmethod(fwd)
+
+
+def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -> dict:
+    """One (variant, T) on rank 0: time and peak of matmul + ℓθ + metric entropy + backward
+    (``*_nograd``: the forward alone, under no_grad)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_p3o.loss.fused_logprob import fused_vocab_parallel_logprobs, output_layer_input
+    from megatron_p3o.loss.logprob import vocab_parallel_logprobs
+    from megatron_p3o.parallel import Layout, initialize
+
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    groups = initialize(Layout(tp=tp))
+    tp_group = groups.tp if tp > 1 else None
+    rank, v = groups.tp_rank, vocab // tp
+    g = torch.Generator().manual_seed(0)
+    h0 = torch.randn(tokens, hidden, generator=g)  # the output layer's input, same on all ranks
+    w0 = (0.05 * torch.randn(vocab, hidden, generator=g))[rank * v : (rank + 1) * v].clone()
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    coef = torch.randn(tokens, generator=g)  # the objective's ∂L/∂ℓ per token
+    slime = load_slime(slime_repo) if variant == "slime" else None
+    if variant.startswith("unfused"):
+        _no_zero_entropy_grad()
+
+    def run(h, w):
+        if variant.endswith("_nograd"):
+            with torch.no_grad():
+                return forward(h, w)[1].mean()
+        lp, ent = forward(h, w)
+        metric = float(ent.detach().mean())  # the entropy: a metric, no gradient
+        (-(lp * coef).sum()).backward()
+        return metric
+
+    def forward(h, w):
+        x = output_layer_input(h, tp_group)  # as ColumnParallelLinear: dh summed over TP
+        if variant.startswith("fused"):
+            lp, ent = fused_vocab_parallel_logprobs(
+                x, w, targets, tp_group, chunk_size=chunk, with_entropy=True
+            )
+        else:
+            logits = x @ w.t()  # the output layer's materialised [T, V/tp] logits
+            if variant.startswith("unfused"):
+                lp, ent = vocab_parallel_logprobs(
+                    logits, targets, tp_group, chunk_size=chunk, with_entropy=True,
+                    inplace_backward=True,
+                )  # fmt: skip
+            else:
+                lp, ent = slime.calculate_log_probs_and_entropy(
+                    logits, targets, tp_group, with_entropy=True, with_entropy_grad=False
+                )
+                lp = lp.reshape(-1)
+        return lp, ent
+
+    times, peaks = [], []
+    for _ in range(reps + 1):
+        grad = not variant.endswith("_nograd")
+        h = h0.clone().requires_grad_(grad)
+        w = w0.clone().requires_grad_(grad)
+        if tp > 1:
+            dist.barrier()  # world (= the TP group): both ranks start each timed call together
+        before = rss_mb()
+        reset_peak()
+        t0 = time.perf_counter()
+        run(h, w)
+        times.append(time.perf_counter() - t0)
+        peaks.append(max(peak_mb() - before, 0.0))
+        del h, w
+    times = sorted(times[1:])  # the first call warms the allocator and the BLAS
+    if tp > 1:
+        dist.barrier()  # world: no rank exits while the other is still in a collective
+    return {"variant": variant, "tokens": tokens, "time_s": times[len(times) // 2],
+            "peak_extra_mb": peaks[0]}  # fmt: skip
+
+
+def _launch(args: list, tp: int, port: int) -> dict:
+    launcher = [sys.executable]
+    if tp > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(tp)]
+        launcher += ["--master-port", str(port)]
+    out = subprocess.run(
+        launcher + [__file__] + args, capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def last_stage_main(a) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from megatron_p3o.ports import free_port
+
+    slime = a.slime or os.environ.get("SLIME_REPO", "")
+    variants = [v for v in LAST_STAGE if v != "slime" or slime]
+    if not slime:
+        print("no slime checkout (--slime or $SLIME_REPO): slime's column is skipped")
+    rows = {}
+    for tokens in [int(x) for x in a.tokens_list.split(",")]:
+        for v in variants:
+            args = ["--last-stage-worker", v, "--tokens", str(tokens), "--vocab", str(a.vocab),
+                    "--hidden", str(a.hidden), "--reps", str(a.reps)]  # fmt: skip
+            args += ["--chunk", str(a.chunk)] if a.chunk else []
+            args += ["--slime", slime] if v == "slime" else []
+            rows[(v, tokens)] = _launch(args, a.tp, free_port())
+    t = Table(
+        title=f"last stage: matmul + ℓθ + metric entropy + backward, V={a.vocab}, "
+        f"h={a.hidden}, TP={a.tp}, fp32, median of {a.reps}"
+    )
+    cols = ("T", "variant", "time s", "peak extra MB", "time / unfused*", "peak / unfused*")
+    for col in cols:
+        t.add_column(col)
+    for (v, tokens), r in rows.items():
+        u = rows[("unfused" + ("_nograd" if v.endswith("_nograd") else ""), tokens)]
+        t.add_row(
+            str(tokens), v, f"{r['time_s']:.3f}", f"{r['peak_extra_mb']:.0f}",
+            f"{r['time_s'] / u['time_s']:.2f}×",
+            f"{r['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f}×",
+        )  # fmt: skip
+    Console().print(t)
+    print("* against the unfused row of the same kind (with backward, or no-grad)")
+    big = max(int(x) for x in a.tokens_list.split(","))
+    f, u = rows[("fused", big)], rows[("unfused", big)]
+    s = rows.get(("slime", big))
+    vs_slime = f"{f['time_s'] / s['time_s']:.2f}" if s else "nan"
+    print(
+        f"RESULT fused_vs_unfused_time={f['time_s'] / u['time_s']:.2f} "
+        f"fused_vs_unfused_peak={f['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f} "
+        f"trainer_vs_slime_time={vs_slime}"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", action="store_true", help="the kernel-only comparison")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens-list", default="2048,8192", help="last stage: token counts")
     ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--hidden", type=int, default=512, help="last stage: hidden size")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo)")
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (gloo)")
+    ap.add_argument("--slime", default="", help="slime work tree or git dir (last stage)")
     ap.add_argument("--worker", nargs=2, metavar=("VARIANT", "DTYPE"))
+    ap.add_argument("--last-stage-worker", metavar="VARIANT")
     a = ap.parse_args()
+    if a.last_stage_worker:
+        res = last_stage_worker(
+            a.last_stage_worker, a.tokens, a.vocab, a.hidden, a.reps, a.chunk, a.slime
+        )
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(res))
+        return
+    if not a.kernel and not a.worker:
+        a.tp = 2 if a.tp is None else a.tp
+        return last_stage_main(a)
+    a.tp = 1 if a.tp is None else a.tp
     if a.worker:
         res = worker(a.worker[0], a.worker[1], a.tokens, a.vocab, a.reps, a.chunk)
         if int(os.environ.get("RANK", "0")) == 0:

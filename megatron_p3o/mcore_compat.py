@@ -197,3 +197,46 @@ def after_optimizer_load(optimizer) -> None:
         for st in getattr(inner, "state", {}).values():
             if torch.is_tensor(st.get("step")):
                 st["step"] = st["step"].clone()
+
+
+def override_output_layer(layer, forward) -> None:
+    """Route the last stage's ``output_layer`` calls through ``forward(original, input_, weight=…,
+    runtime_gather_output=…)`` (the fused log-prob path, :mod:`megatron_p3o.model.forward`).
+
+    0.16.1's ``GPTModel._postprocess`` calls ``self.output_layer(hidden_states,
+    weight=output_weight, runtime_gather_output=…)`` once (``[s(/tp), b, d]``; ``weight`` is the
+    embedding weight when the embeddings are tied), keeps the first output and, without labels,
+    returns it as ``logits.transpose(0, 1).contiguous()`` (see :func:`as_model_output`). Forward
+    hooks on the layer still run (``nn.Module.__call__``); its parameters and state-dict keys do
+    not change."""
+    original = type(layer).forward.__get__(layer)
+
+    def patched(input_, weight=None, runtime_gather_output=None):
+        return forward(original, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+
+    layer.forward = patched
+
+
+def as_model_output(x):
+    """What ``GPTModel`` makes of its output layer's first output, ``[s, b, …]`` → ``[b, s, …]``
+    (0.16.1: ``logits.transpose(0, 1)``), for tensors that travel beside it (the fused path's
+    extra logit terms)."""
+    return x.transpose(0, 1)
+
+
+def output_layer_unsupported(layer, runtime_gather_output) -> str | None:
+    """Why the fused path cannot stand in for this ``output_layer`` call (None: it can): the
+    features of 0.16.1's output layer that read or gather its logits beyond ``input·weightᵀ``."""
+    cfg = layer.config
+    if getattr(cfg, "mtp_num_layers", None):
+        return "multi-token prediction computes its own loss from the output layer's logits"
+    if getattr(cfg, "defer_embedding_wgrad_compute", False):
+        return "defer_embedding_wgrad_compute keeps the output layer's own activation buffers"
+    gather = layer.gather_output if runtime_gather_output is None else runtime_gather_output
+    if gather:
+        return "the output layer gathers its logits over TP (parallel_output=False)"
+    if getattr(layer, "disable_grad_reduce", False):
+        return "the output layer does not sum its input's gradient over TP (disable_grad_reduce)"
+    if getattr(layer, "bias", None) is not None:
+        return "the output layer has a bias"
+    return None

@@ -58,6 +58,7 @@ from .loss.ess import (
     ess_stats,
     ess_tensor,
 )
+from .loss.fused_logprob import OutputLayerInput, fused_vocab_parallel_logprobs
 from .loss.logprob import vocab_parallel_logprobs
 from .loss.m2po import m2_cut, m2_values
 from .loss.registry import Objective
@@ -119,18 +120,25 @@ def response_logprobs(
     per-token values are gathered so that every CP rank holds whole sequences, then the
     completion tokens are picked out of the padded or packed grid (``response.index``).
     ``with_value``: V(s₁) = log Σ_v exp(z_v / T) at the position that predicts each sequence's
-    first completion token (ReVal's soft value; the kernel's own log-partition)."""
-    out = vocab_parallel_logprobs(
-        logits,
-        batch["targets"],
-        groups.tp,
-        temperature=temperature,
-        chunk_size=chunk,
-        vocab_size=vocab_size,
-        with_entropy=with_entropy,
-        inplace_backward=inplace,
-        with_lse=with_value,
-    )
+    first completion token (ReVal's soft value; the kernel's own log-partition).
+
+    ``logits``: ``[b, s/cp, V/tp]``, or on the fused path (``model.fused_logprob``) the
+    :class:`~megatron_p3o.loss.fused_logprob.OutputLayerInput` the last stage handed over: the
+    same values from the hidden states and the output weight, chunk by chunk (``inplace`` is
+    then moot: no logits exist)."""
+    common = dict(
+        temperature=temperature, chunk_size=chunk, vocab_size=vocab_size,
+        with_entropy=with_entropy, with_lse=with_value,
+    )  # fmt: skip
+    if isinstance(logits, OutputLayerInput):
+        out = fused_vocab_parallel_logprobs(
+            logits.hidden, logits.weight, batch["targets"], groups.tp, extra=logits.extra,
+            **common,
+        )  # fmt: skip
+    else:
+        out = vocab_parallel_logprobs(
+            logits, batch["targets"], groups.tp, inplace_backward=inplace, **common
+        )
     lp, ent = out[0], out[1]
     resp = batch["response"]
     index = batch.get("cp_token_index")
@@ -369,8 +377,10 @@ class PolicyUpdate:
                 old_logprobs=r["old_logprobs"],
             )  # fmt: skip
             parts.append(m2_values(inp))
-        local = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-        local = local.to(self.groups.device)
+        dev = self.groups.device
+        local = (
+            torch.cat(parts).to(dev) if parts else torch.zeros(0, dtype=torch.float64, device=dev)
+        )
         if self.groups.layout.dp_enabled:
             # DP group: each DP rank holds a disjoint share of the step's tokens; the cut needs
             # all of them (sizes first: the shares differ in length).

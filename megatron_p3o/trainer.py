@@ -108,6 +108,7 @@ class Trainer:
             fp8=cfg.model.fp8,
             moe_dispatcher=cfg.model.moe_dispatcher,
             moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+            fused_logprob=cfg.model.fused_logprob,
         )
         if cfg.rollout.routing_replay != "off" and not self.desc.is_moe:
             raise ConfigError(

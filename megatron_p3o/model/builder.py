@@ -34,6 +34,11 @@ class ModelConfig:
     moe_dispatcher: MoE token dispatcher, "allgather" or "alltoall" (both tested on CPU).
     moe_aux_loss_coeff: MoE load-balancing loss weight (0 = off, the RL default: the router is
         already trained; Megatron's aux loss, not the HF config's ``router_aux_loss_coef``).
+    fused_logprob: the last stage computes log-probs (entropy, log-partition) from the output
+        layer's input and weight chunk by chunk, never materialising the logits
+        (:mod:`megatron_p3o.loss.fused_logprob`); calls where that is not exact run unfused,
+        the reason logged once. Off by default until it is as fast as the unfused path on CPU
+        (issue 29: 1.13–1.22× at T = 8192) and has run the end-to-end tier switched on.
     """
 
     checkpoint: str = ""
@@ -44,6 +49,7 @@ class ModelConfig:
     hf_config: str = ""
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
+    fused_logprob: bool = False
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -72,6 +78,10 @@ class BuildOptions:
         moe_dispatcher: Megatron's MoE token dispatcher (both run on CPU under gloo).
         moe_aux_loss_coeff: load-balancing loss weight (0 = off; the router's HF coefficient is
             informational only).
+        fused_logprob: the last stage's output layer hands :func:`~.forward.forward_backward`'s
+            loss function an ``OutputLayerInput`` (hidden states + weight) instead of logits
+            (:class:`~.forward.FusedOutputLayer`); off here by default, so code that builds a
+            model for its own logits gets them; the trainer sets ``model.fused_logprob``.
     """
 
     params_dtype: torch.dtype = torch.float32
@@ -83,6 +93,7 @@ class BuildOptions:
     recompute: Optional[str] = None
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
+    fused_logprob: bool = False
 
 
 def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: BuildOptions):
@@ -246,6 +257,10 @@ def build_model(
 
             model.route_hooks = attach([model])
             _experts_apart(model)
+        if opts.fused_logprob and groups.is_last_stage(vp_stage):
+            from .forward import FusedOutputLayer
+
+            model.fused_output = FusedOutputLayer(model, groups)
         model.description = desc
         model.padded_vocab_size = vocab
         model.vp_stage = vp_stage if groups.layout.vpp else None

@@ -14,23 +14,35 @@ Every other top-level tensor shaped like ``tokens`` is CP-sliced the same way; a
 sequence values, the nested ``response`` tensors of the policy loss) reaches the loss function
 untouched. Without pipeline parallelism the micro-batches of a step may differ in shape; with it
 they share one.
+
+Fused log-probs (``model.fused_logprob``): on a last stage built with it, the output layer does
+not multiply; :class:`FusedOutputLayer` hands the loss function an
+:class:`~megatron_p3o.loss.fused_logprob.OutputLayerInput` (the output layer's input, gathered
+for sequence parallelism, and its weight) in place of the logits, and
+:func:`~megatron_p3o.policy_update.response_logprobs` takes the log-probs from it chunk by chunk.
+Where that would not be exact (see :meth:`FusedOutputLayer.unsupported`) the layer runs as
+Megatron's and the loss gets logits, with the reason logged once.
 """
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .. import mcore_compat
+from ..loss.fused_logprob import OutputLayerInput, output_layer_input
 from ..parallel import ParallelGroups
 from . import packed
 
 MicroBatch = Dict[str, Tensor]
-# loss_fn(batch, logits [b, s/cp, V/tp]) -> (loss scalar, token count, metrics dict)
-LossFn = Callable[[MicroBatch, Tensor], tuple]
+# loss_fn(batch, logits [b, s/cp, V/tp] or OutputLayerInput) -> (loss, token count, metrics)
+LossFn = Callable[[MicroBatch, Union[Tensor, OutputLayerInput]], tuple]
+_log = logging.getLogger(__name__)
 
 
 def next_token_targets(tokens: Tensor, pad_id: int = 0) -> Tensor:
@@ -82,6 +94,83 @@ def to_device(batch: MicroBatch, device: torch.device) -> MicroBatch:
     }
 
 
+class FusedOutputLayer:
+    """The last stage's output layer on the fused log-prob path.
+
+    Installed by :func:`~megatron_p3o.model.builder.build_model` (``fused_logprob``); active only
+    inside :func:`forward_backward`'s forward step (:meth:`armed`), so any other call of the model
+    returns logits as before. When active the layer returns its input, mapped as
+    ``ColumnParallelLinear`` maps it (with sequence parallelism all-gathered over TP, the gradient
+    reduce-scattered back; without, the gradient all-reduced over TP), and keeps the weight it
+    would have used (the embedding weight when tied); :meth:`take` pairs the model's output with
+    it. Forward hooks on the layer that know this path (``p3o_fused_aware``: R2PO's residual head)
+    add logit terms with :meth:`add_term`; any other hook makes the call unfused.
+    """
+
+    _logged: set = set()  # reasons already logged (once per process)
+
+    def __init__(self, model: torch.nn.Module, groups: ParallelGroups):
+        self.layer = model.output_layer
+        self.tp = groups.tp if groups.layout.tp_enabled else None
+        self.active = False
+        self.weight: Optional[Tensor] = None  # set when the current call took the fused path
+        self.extra: List[tuple] = []
+        self.layer.p3o_fused = self
+        mcore_compat.override_output_layer(self.layer, self._forward)
+
+    def unsupported(self, runtime_gather_output=None) -> Optional[str]:
+        """Why this call must run unfused (None: the fused path is exact)."""
+        reason = mcore_compat.output_layer_unsupported(self.layer, runtime_gather_output)
+        if reason is None:
+            hooks = [h for h in self.layer._forward_hooks.values()]
+            if any(not getattr(h, "p3o_fused_aware", False) for h in hooks):
+                reason = "a forward hook on output_layer may read or change its logits"
+        return reason
+
+    def _forward(self, original, input_, weight=None, runtime_gather_output=None):
+        self.weight, self.extra = None, []
+        if not self.active:
+            return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        reason = self.unsupported(runtime_gather_output)
+        if reason is not None:
+            if reason not in FusedOutputLayer._logged:
+                FusedOutputLayer._logged.add(reason)
+                _log.warning("model.fused_logprob: unfused output layer (%s)", reason)
+            return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        self.weight = self.layer.weight if weight is None else weight
+        hidden = output_layer_input(input_, self.tp, self.layer.sequence_parallel)
+        return hidden, None
+
+    def add_term(self, x: Tensor, weight: Tensor) -> None:
+        """A term ``x·weightᵀ`` of the logits, ``x [s, b, d]`` in the layer's input layout, its
+        gradient already summed over TP (a forward hook's share of z)."""
+        self.extra.append((x, weight))
+
+    @contextmanager
+    def armed(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def take(self, output):
+        """The model's output as the loss sees it: an ``OutputLayerInput`` when this call was
+        fused (``output`` is then the hidden states ``[b, s, d]``), else ``output`` (logits)."""
+        if self.weight is None:
+            return output
+        extra = tuple((mcore_compat.as_model_output(x), w) for x, w in self.extra)
+        inp = OutputLayerInput(output, self.weight, extra)
+        self.weight, self.extra = None, []
+        return inp
+
+
+def _fused_output(model) -> Optional[FusedOutputLayer]:
+    while hasattr(model, "module"):  # Megatron's DDP wrapper
+        model = model.module
+    return getattr(model, "fused_output", None)
+
+
 def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model):
     host = next(data_iterator)
     # what the host decides (CP split, packed lengths) is read from the host micro-batch: a
@@ -98,12 +187,20 @@ def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model)
         from .routing import set_routes
 
         set_routes(model, batch.get("routed_experts"), batch.get("route_mode", "off"))
-    logits = model(tokens, position_ids, None, packed_seq_params=params)  # [b, s/cp, V/tp]
-    return logits, partial(_call_loss, loss_fn, batch)
+    fused = _fused_output(model)
+    with fused.armed() if fused is not None else nullcontext():
+        out = model(tokens, position_ids, None, packed_seq_params=params)  # [b, s/cp, V/tp]
+    if fused is not None:  # the last stage: hidden states + weight on the fused path
+        out = fused.take(out)
+    return (out.hidden if isinstance(out, OutputLayerInput) else out), partial(
+        _call_loss, loss_fn, batch, out
+    )
 
 
-def _call_loss(loss_fn: LossFn, batch: MicroBatch, logits: Tensor):
-    loss, num_tokens, metrics = loss_fn(batch, logits)
+def _call_loss(loss_fn: LossFn, batch: MicroBatch, out, _schedule_output=None):
+    """``out``: the logits or the fused path's ``OutputLayerInput`` (the schedule hands back the
+    tensor that :func:`_forward_step` returned; the loss reads ``out``)."""
+    loss, num_tokens, metrics = loss_fn(batch, out)
     return loss, torch.as_tensor(num_tokens, dtype=torch.int, device=loss.device), metrics
 
 

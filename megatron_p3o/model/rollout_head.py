@@ -13,7 +13,9 @@ vocabulary shard), which makes W₁'s gradient and the trunk's whole on every TP
 The head is not a submodule of the model: Megatron's DDP, optimizer and checkpoints of the
 policy never see it. It is attached by a forward hook on ``output_layer``, switched between
 ``base`` (the hook adds nothing) and ``mixed`` (z^μ), and has its own AdamW whose gradients are
-summed over DP×CP here (the loss carries the global normalizer, as for the policy).
+summed over DP×CP here (the loss carries the global normalizer, as for the policy). On the fused
+log-prob path (``model.fused_logprob``) no logits exist: the hook hands the kernel
+ReLU(W₁·h) and W₂ as a second output-layer term instead (the same z^μ, never materialised).
 """
 
 from __future__ import annotations
@@ -58,12 +60,17 @@ class _SumOverTP(torch.autograd.Function):
         return g, None
 
 
-def residual_logits(h: Tensor, w1: Tensor, w2_shard: Tensor, tp_group=None) -> Tensor:
-    """W₂·ReLU(W₁·h) on this rank's vocabulary shard: ``h [..., d]`` → ``[..., V/tp]``."""
+def residual_features(h: Tensor, w1: Tensor, tp_group=None) -> Tensor:
+    """ReLU(W₁·h) ``[..., d]``, its gradient summed over TP (W₂'s shards each saw one part)."""
     x = torch.relu(h @ w1.t())
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         x = _SumOverTP.apply(x, tp_group)
-    return x @ w2_shard.t()
+    return x
+
+
+def residual_logits(h: Tensor, w1: Tensor, w2_shard: Tensor, tp_group=None) -> Tensor:
+    """W₂·ReLU(W₁·h) on this rank's vocabulary shard: ``h [..., d]`` → ``[..., V/tp]``."""
+    return residual_features(h, w1, tp_group) @ w2_shard.t()
 
 
 class RolloutHead:
@@ -102,9 +109,17 @@ class RolloutHead:
     def _add(self, module, args, output):
         if self.mode != "mixed":
             return output
+        fused = getattr(module, "p3o_fused", None)
+        if fused is not None and fused.weight is not None:
+            # fused log-prob path (model.fused_logprob): no logits exist; the residual joins the
+            # kernel as a second output-layer term, z^μ = W_lm·h + W₂·x, x = ReLU(W₁·h)
+            fused.add_term(residual_features(args[0].float(), self.w1, self.groups.tp), self.w2)
+            return output
         logits, bias = output
         res = residual_logits(args[0].float(), self.w1, self.w2, self.groups.tp)
         return logits + res.to(logits.dtype), bias
+
+    _add.p3o_fused_aware = True  # the fused output layer may keep its path with this hook
 
     @contextmanager
     def mixed(self):
