@@ -16,6 +16,7 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
     seeds: [1, 2]
     comparators: [grpo_eps0.2]           # P3O is tested against these (named before the runs)
     eval_limit: 200                      # held-out prompts per evaluation (0 = all)
+    probe_prompts: 64                    # the setting's mismatch at the base weights (0 = off)
     notes: |                             # your reading of the results, kept in the report
       ...
 
@@ -63,6 +64,8 @@ class GridConfig:
     # objective labels P3O is tested against, named before the runs (empty: every baseline)
     comparators: List[str] = field(default_factory=list)
     eval_limit: int = 0
+    # held-out prompts of the exogenous-mismatch probe, run before each cell trains (0 = off)
+    probe_prompts: int = 0
     world_size: int = 1  # ranks each cell runs on (checked by --list on a laptop)
     notes: str = ""  # the experimenter's reading, printed in the report above the computed findings
 

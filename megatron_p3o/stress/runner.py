@@ -114,7 +114,12 @@ def run_cell(
     t0 = time.perf_counter()
     steps: List[dict] = []
     trainer = Trainer(cfg, groups)
+    probe: Dict[str, float] = {}
     try:
+        if grid.probe_prompts:  # the setting's exogenous mismatch, before any step
+            from .probe import probe_mismatch
+
+            probe = probe_mismatch(trainer, grid.probe_prompts)
         acc0 = _start_accuracy(grid, cfg, trainer)
         for _ in range(cfg.steps):
             m = trainer.step()
@@ -138,6 +143,7 @@ def run_cell(
         trainer.close()
         del trainer
         gc.collect()
+    summary.update(probe)
     summary.update(provenance or {})  # commit, base model and grid hashes (stress.provenance)
     if rank == 0:
         tmp = run_dir / (SUMMARY + ".tmp")

@@ -21,6 +21,7 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
         "out": str(tmp_path / "out"),
         "work": str(tmp_path / "work"),
         "eval_limit": 20,
+        "probe_prompts": 16,
         "seeds": [1],
         "set": {
             "steps": 2,
@@ -59,6 +60,12 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
     for o in noisy:  # engine logit noise: a measured mismatch far above bf16's, lower e_B
         assert float(noisy[o]["ess_mean"]) < float(clean[o]["ess_mean"])
         assert float(noisy[o]["abs_diff_first"]) > 10 * float(clean[o]["abs_diff_first"])
+        for k in ("probe_abs_dlogp", "probe_abs_seq_dlogp", "probe_kl_b_theta"):
+            assert float(noisy[o][k]) > 10 * float(clean[o][k]) > 0, (k, noisy[o][k], clean[o][k])
+    # the probe is exogenous: measured before training, it is the setting's, not the objective's
+    for setting in (noisy, clean):
+        probes = {tuple(x[k] for k in x if k.startswith("probe_")) for x in setting.values()}
+        assert len(probes) == 1, probes
     for f in (
         "report.md",
         "steps.csv",
