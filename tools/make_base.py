@@ -35,7 +35,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SPECIALS = ["<pad>", "<bos>", "<eos>"]
 # task -> (reasoning-gym dataset, its config, format); the recipe's data.task* keys must match
 TASKS = {
     "chain_sum": (
@@ -53,21 +52,6 @@ MODEL = dict(
     max_position_embeddings=128,
     tie_word_embeddings=False,
 )
-
-
-def make_tokenizer(chars, out_dir: Path):
-    """A character-level ``PreTrainedTokenizerFast`` (specials first) saved to ``out_dir``."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(chars))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
-    fast.save_pretrained(out_dir)
-    return fast
 
 
 def scores(model, tok, prompts, answers, max_new, n=1, seed=0) -> list:
@@ -135,6 +119,7 @@ def main(argv=None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_p3o.tasks import chain_sum
+    from megatron_p3o.tasks.arithmetic import make_tokenizer
     from megatron_p3o.tasks.reasoning_gym import encode_answer, splits, task_format
 
     t0 = time.time()
@@ -145,7 +130,7 @@ def main(argv=None) -> int:
     held_p = [fmt.prompt(e) for e in held]
     held_a = [encode_answer(name, args, e, fmt_name) for e in held]
     out.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(chain_sum.CHARS, out / "hf")
+    tok = make_tokenizer(out / "hf", chain_sum.CHARS)
     prompts = [tok.encode("<bos>" + fmt.prompt(e)) for e in train]
     targets = [tok.encode(fmt.target(e) + "<eos>") for e in train]
     lens = sorted(map(len, targets))

@@ -69,7 +69,7 @@ class OutputLayerInput:
 
 
 # -- the input mapping of a column-parallel output layer --------------------------------------
-class _SumGradOverTP(torch.autograd.Function):
+class SumGradOverTP(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over the TP group."""
 
     @staticmethod
@@ -116,7 +116,7 @@ def output_layer_input(hidden: Tensor, tp_group=None, sequence_parallel: bool = 
         return hidden
     if sequence_parallel:
         return _GatherSequenceParallel.apply(hidden, tp_group)
-    return _SumGradOverTP.apply(hidden, tp_group)
+    return SumGradOverTP.apply(hidden, tp_group)
 
 
 # -- the kernel ----------------------------------------------------------------------------------

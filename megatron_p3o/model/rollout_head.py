@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..loss.fused_logprob import SumGradOverTP
 from ..parallel import LayoutError, ParallelGroups
 
 HF_W1, HF_W2 = "rollout_head.w1.weight", "rollout_head.w2.weight"
@@ -43,28 +44,11 @@ class HeadOptimConfig:
     init_std: float = 1e-6
 
 
-class _SumOverTP(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        g = g.contiguous()
-        # TP group: each rank's W₂ shard saw its vocabulary shard only; ReLU(W₁h)'s gradient
-        # is the sum over all shards.
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
 def residual_features(h: Tensor, w1: Tensor, tp_group=None) -> Tensor:
     """ReLU(W₁·h) ``[..., d]``, its gradient summed over TP (W₂'s shards each saw one part)."""
     x = torch.relu(h @ w1.t())
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        x = _SumOverTP.apply(x, tp_group)
+        x = SumGradOverTP.apply(x, tp_group)  # W₂ shards each saw one part of x
     return x
 
 

@@ -17,12 +17,13 @@ SPECIALS = ["<pad>", "<bos>", "<eos>"]
 CHARS = list("0123456789+=")
 
 
-def make_tokenizer(out_dir: Path):
-    """A character-level ``PreTrainedTokenizerFast`` saved to ``out_dir``."""
+def make_tokenizer(out_dir: Path, chars=CHARS):
+    """A character-level ``PreTrainedTokenizerFast`` over ``SPECIALS`` then ``chars`` (this
+    task's by default; ``tools/make_base.py`` passes its task's), saved to ``out_dir``."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(chars))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     fast = PreTrainedTokenizerFast(
