@@ -6,12 +6,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+# the SGLang serving environment (its own venv, constraints-sglang.txt) for the real-server tier,
+# built in the background while the trainer's environment installs (both are mostly disk I/O)
+mkdir -p .cache
+sglang_log=.cache/sglang_env.log
+bash tools/sglang_env.sh > "$sglang_log" 2>&1 &
+sglang_pid=$!
 [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -c constraints-cpu.txt -e ".[dev,tasks]"
-# the SGLang serving environment (its own venv, constraints-sglang.txt) for the real-server tier
-bash tools/sglang_env.sh
+if ! wait "$sglang_pid"; then
+  cat "$sglang_log" >&2
+  echo "run_tests: tools/sglang_env.sh failed (log above, also in $sglang_log)" >&2
+  exit 1
+fi
+grep -v "^WARNING: Location" "$sglang_log" | tail -3
 SGLANG_PYTHON=$(realpath "${SGLANG_VENV:-.venv-sglang}")/bin/python
 export SGLANG_PYTHON
 # SGLang's pinned release, read as text (never imported) by tests/unit/test_sglang_protocol.py
