@@ -114,7 +114,11 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(base, tmp_path):
     rc, log = _run(cmd, tmp_path, "cut", term_twice)
     assert rc == EXIT_PREEMPTED, log[-3000:]
     k = _stopped_at(log)
-    assert 1 <= k < steps and "(SIGTERM)" in log
+    # the reason named is the first signal handled; when both are pending at once (the main
+    # thread was inside one long C call for the 0.3 s between them), Python runs the handlers in
+    # signal-number order, SIGUSR1 (10) before SIGTERM (15)
+    assert 1 <= k < steps and ("(SIGTERM)" in log or "(SIGUSR1)" in log), log[-3000:]
+    assert log.count("stopped after step") == 1, log[-3000:]
     assert (tmp_path / "cut" / "checkpoints" / f"step_{k:06d}").is_dir()
     rc, log = _run(cmd, tmp_path, "cut")  # the same command
     assert rc == 0 and f"step_{k:06d}" in log, log[-3000:]
