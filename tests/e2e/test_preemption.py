@@ -143,7 +143,7 @@ def test_stop_file_and_sigterm_under_torchrun_and_the_wall_clock_budget(base, tm
     assert 1 <= k < steps
     rc, log = _run(cmd, tmp_path, "cut")  # STOP still there: nothing is trained
     assert rc != 0 and log.count("stopped after step") == 2
-    assert len((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()) == k
+    assert len(_metrics_lines(tmp_path / "cut")) == k
     stop.unlink()
     rc, log = _run(cmd, tmp_path, "cut")
     assert rc == 0, log[-3000:]
@@ -189,7 +189,7 @@ def test_async_run_killed_then_signalled_trains_on_the_same_samples(base, tmp_pa
     cmd = _cmd(base, tmp_path, "cut", steps, 1, *extra)
     rc, log = _run(cmd, tmp_path, "cut", lambda p: os.killpg(p.pid, signal.SIGKILL), 3, 0.4)
     assert rc == -signal.SIGKILL, log[-3000:]
-    done = len((tmp_path / "cut" / "metrics.jsonl").read_text().splitlines())
+    done = len(_metrics_lines(tmp_path / "cut"))
     assert 4 <= done < steps
     ckpt = tmp_path / "cut" / "checkpoints"
     ckpt = ckpt / (ckpt / "latest").read_text().strip()
@@ -204,7 +204,7 @@ def test_async_run_killed_then_signalled_trains_on_the_same_samples(base, tmp_pa
     rc, log = _run(cmd, tmp_path, "cut")
     assert rc == 0, log[-3000:]
     _assert_equal_runs(tmp_path, "straight", "cut", steps)
-    rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in _metrics_lines(tmp_path / "cut")]
     # K + L − 1 = 3 versions behind at most; one line per step
     assert max(r["staleness_max"] for r in rows) == 3 and [r["step"] for r in rows] == list(
         range(1, steps + 1)
