@@ -10,13 +10,18 @@ VENV=${VENV:-.venv}
 # built in the background while the trainer's environment installs (both are mostly disk I/O)
 mkdir -p .cache
 sglang_log=.cache/sglang_env.log
-bash tools/sglang_env.sh > "$sglang_log" 2>&1 &
+# its own process group (setsid), so that a failed trainer install stops pip inside it too
+setsid -w bash tools/sglang_env.sh > "$sglang_log" 2>&1 &
 sglang_pid=$!
+trap 'kill -- -"$sglang_pid" 2> /dev/null || true' EXIT
 [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -c constraints-cpu.txt -e ".[dev,tasks]"
-if ! wait "$sglang_pid"; then
+sglang_ok=0
+wait "$sglang_pid" || sglang_ok=$?
+trap - EXIT
+if ((sglang_ok != 0)); then
   cat "$sglang_log" >&2
   echo "run_tests: tools/sglang_env.sh failed (log above, also in $sglang_log)" >&2
   exit 1
