@@ -207,22 +207,6 @@ def load_slime(repo: str):
     return mod
 
 
-def _no_zero_entropy_grad() -> None:
-    """The unfused kernel at its best: its autograd materialises a zero gradient for the unused
-    metric entropy, and its backward then pays a log pass over all logits for nothing (the
-    fused kernel sets ``ctx.set_materialize_grads(False)``; the same one line would fix
-    ``loss/logprob.py``). Applied here so the comparison is not flattered by that pass."""
-    from megatron_p3o.loss.logprob import _VocabParallelLogprob as k
-
-    forward = k.forward
-
-    def fwd(ctx, *args):
-        ctx.set_materialize_grads(False)
-        return forward(ctx, *args)
-
-    k.forward = staticmethod(fwd)
-
-
 def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -> dict:
     """One (variant, T) on rank 0: time and peak of matmul + ℓθ + metric entropy + backward
     (``*_nograd``: the forward alone, under no_grad)."""
@@ -243,8 +227,6 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     coef = torch.randn(tokens, generator=g)  # the objective's ∂L/∂ℓ per token
     slime = load_slime(slime_repo) if variant == "slime" else None
-    if variant.startswith("unfused"):
-        _no_zero_entropy_grad()
 
     def run(h, w):
         if variant.endswith("_nograd"):
@@ -360,7 +342,7 @@ def main():
     ap.add_argument("--tokens-list", default="2048,8192", help="last stage: token counts")
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--hidden", type=int, default=512, help="last stage: hidden size")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=None)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (gloo)")

@@ -156,6 +156,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
             logits, local_t, in_shard, m_all, log_s.float(), ent if with_entropy else m_all
         )
         ctx.cfg = (inv_t, real, rows, with_entropy, keep_exp, inplace)
+        # an output the loss does not use (the metric entropy) gets None, not a zero tensor
+        # that would cost the backward a log pass over all logits
+        ctx.set_materialize_grads(False)
         return (
             logp.reshape(lead),
             ent.reshape(lead) if with_entropy else None,

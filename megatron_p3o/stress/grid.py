@@ -10,6 +10,7 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
     objectives:                          # label -> objective name + hyper-parameters
       p3o: {objective: p3o}
       grpo_eps0.2: {objective: grpo, hyper: {eps_low: 0.2, eps_high: 0.2}}
+      p3o@lr1e-3: {objective: p3o, set: {optim.lr: 1.0e-3}}   # "name@..." = a variant of name
     mismatch:                            # label -> family, numeric level, overrides
       bf16: {family: baseline, level: 0, set: {}}
       noise_0.5: {family: logprob_noise, level: 0.5, set: {rollout.logprob_noise: 0.5}}
@@ -22,7 +23,10 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
 
 Families are the mismatch axes: rollout precision, reuse (epochs), staleness (sync every L /
 async K), engine logit noise (a perturbed sampling distribution with honest ℓb), corrupted
-reported ℓb, engine/trainer temperature mismatch. Every cell is validated as a full
+reported ℓb, engine/trainer temperature mismatch. An objective's ``set`` overrides the grid's
+``set`` for its cells (a learning-rate sweep: ``p3o@lr1e-4``, ``p3o@lr1e-3``, … with their own
+``optim.lr``); the part of a label before ``@`` names the objective the report groups them
+under (their learning-rate table). Every cell is validated as a full
 ``TrainConfig`` before anything runs, so a typo fails in the first second, not after an hour.
 """
 
@@ -42,6 +46,7 @@ from ..config import ConfigError, TrainConfig, _build, load_config
 class ObjectiveSpec:
     objective: str
     hyper: Dict[str, Any] = field(default_factory=dict)
+    set: Dict[str, Any] = field(default_factory=dict)  # overrides for this objective's cells
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,8 @@ def cells(grid: GridConfig) -> List[Cell]:
         grid.objectives.items(), grid.mismatch.items(), grid.seeds
     ):
         ov = _items(grid.set) + [f"loss.objective={o.objective}"]
-        ov += _items({f"loss.hyper.{k}": v for k, v in o.hyper.items()}) + _items(m.set)
+        ov += _items({f"loss.hyper.{k}": v for k, v in o.hyper.items()}) + _items(o.set)
+        ov += _items(m.set)
         ov += [f"run.seed={seed}"]
         out.append(Cell(ol, ml, seed, m.family, float(m.level), ov))
     return out

@@ -11,6 +11,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..metrics import COARSE_HIST_RANGE
 from .grid import GridConfig
+from .lr_sweep import lr_section
 from .provenance import mixed
 from .stats import adjust, best_baseline_bootstrap, seed_paired, seed_scores
 
@@ -432,6 +433,16 @@ def findings(grid: GridConfig, cells: List[dict]) -> List[str]:
     return out
 
 
+def _base_lr(grid: GridConfig):
+    """The base recipe's learning rate (what objectives without their own ``optim.lr`` use)."""
+    from ..config import ConfigError, load_config
+
+    try:
+        return load_config(grid.base).optim.lr
+    except ConfigError:  # a report from cells alone (base recipe moved): rates from the grid only
+        return None
+
+
 def write_report(
     grid: GridConfig, cells: List[dict], steps: Dict[str, List[dict]], wall_s: float, grid_path: str
 ) -> Path:
@@ -506,6 +517,7 @@ def write_report(
         "a win or loss is called only when the corrected test rejects.",
         "",
     ] + table
+    md += [""] + lr_section(grid, cells, _base_lr(grid))
     md += [
         "",
         "## Final held-out accuracy (mean ± half-range over seeds; best per column in bold)",

@@ -3,7 +3,7 @@
 ``checkpoints_convert.hf_to_megatron``) and the shipped rollout batch (``batch.json``: token ids,
 the engine's ℓb, rewards), fed to ``Trainer.step`` in place of a rollout.
 
-    python fixed_update_driver.py CKPT OUT.json OBJECTIVE [--record-batch BATCH.json]
+    python fixed_update_driver.py CKPT OUT.json OBJECTIVE [--record-batch BATCH.json | KEY=VALUE...]
 
 With ``--record-batch`` the batch is first sampled by the recipe's embedded engine and written
 (how ``batch.json`` was made, once). Prints nothing; writes the step's loss, e_B, grad norm and
@@ -22,6 +22,21 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests/e2e/data/fixed_update"
 
 
+def _count_fused_calls() -> list:
+    """Count the trainer's calls of the fused log-prob kernel (model.fused_logprob), so the test
+    can tell the fused and the unfused step apart."""
+    from megatron_p3o import policy_update
+
+    calls, kernel = [0], policy_update.fused_vocab_parallel_logprobs
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return kernel(*args, **kwargs)
+
+    policy_update.fused_vocab_parallel_logprobs = counted
+    return calls
+
+
 def main(argv) -> None:
     import torch.distributed as dist
 
@@ -33,11 +48,13 @@ def main(argv) -> None:
 
     ckpt, out, objective = Path(argv[0]), Path(argv[1]), argv[2]
     record = Path(argv[4]) if len(argv) > 4 and argv[3] == "--record-batch" else None
+    extra = [] if record is not None else list(argv[3:])  # config overrides (--set syntax)
     sets = [f"model.checkpoint={ckpt}", f"data.path={DATA / 'train.jsonl'}", "data.eval_path=''",
             "steps=1", f"run.dir={out.parent / 'runs'}", f"run.name={objective}",
             "checkpoint.every=0", f"loss.objective={objective}",
-            "batch.prompts_per_rollout=8"]  # fmt: skip
+            "batch.prompts_per_rollout=8", *extra]  # fmt: skip
     cfg = load_config(str(ROOT / "recipes/tiny_cpu.yaml"), sets)
+    fused_calls = _count_fused_calls()
     init_distributed()
     cfg.validate(dist.get_world_size())
     trainer = Trainer(cfg, initialize(cfg.parallel.layout(), seed=cfg.run.seed))
@@ -70,6 +87,7 @@ def main(argv) -> None:
             "param_sq_sum_change": float(sum((a**2).sum() for a in after))
             - float(sum((b**2).sum() for b in before)),
             "n_tokens": m.get("n_tokens"),
+            "fused_calls": fused_calls[0],  # calls of the fused log-prob kernel in the step
         }
         out.write_text(json.dumps(res, indent=1) + "\n")
     finally:

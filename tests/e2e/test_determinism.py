@@ -55,8 +55,8 @@ def _close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-3)
 
 
-def _fixed_step(ckpt, out, objective, env=None):
-    r = subprocess.run([sys.executable, str(DRIVER), str(ckpt), str(out), objective],
+def _fixed_step(ckpt, out, objective, env=None, sets=()):
+    r = subprocess.run([sys.executable, str(DRIVER), str(ckpt), str(out), objective, *sets],
                        capture_output=True, text=True, env={**ENV, **(env or {})}, cwd=ROOT,
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -72,16 +72,22 @@ def test_one_step_on_fixed_inputs_matches_the_record(fixed_ckpt, tmp_path):
         "p3o_avx2": _fixed_step(
             fixed_ckpt, tmp_path / "avx2.json", "p3o", {"ATEN_CPU_CAPABILITY": "avx2"}
         ),  # fmt: skip
+        # the unfused output layer (logits materialised): the same step within the tolerances
+        "p3o_unfused": _fixed_step(
+            fixed_ckpt, tmp_path / "unfused.json", "p3o", sets=["model.fused_logprob=false"]
+        ),  # fmt: skip
     }
     if os.environ.get("P3O_RECORD"):
         RECORD.write_text(json.dumps({k: got[k] for k in ("p3o", "grpo")}, indent=1) + "\n")
         pytest.skip(f"recorded {RECORD}")
     want = json.loads(RECORD.read_text())
-    want["p3o_avx2"] = want["p3o"]
+    want["p3o_avx2"] = want["p3o_unfused"] = want["p3o"]
     for name, w in want.items():
         g = got[name]
         diff = {k: (w[k], g[k]) for k, tol in TOL.items() if not _close(g[k], w[k], tol)}
         assert not diff, f"{name} differs from the record (recorded, now): {diff}"
+    # the shipped recipe takes the fused log-prob path; the override really turned it off
+    assert got["p3o"]["fused_calls"] > 0 and got["p3o_unfused"]["fused_calls"] == 0
     assert 0.9 < got["p3o"]["ess"] < 1.0  # the shipped batch is off-policy (bf16 engine)
     assert got["p3o"]["loss"] != got["grpo"]["loss"]
 

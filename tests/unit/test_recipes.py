@@ -165,6 +165,14 @@ def test_stress_grid_cells_are_valid_recipes(monkeypatch):
             assert cfg.loss.objective == grid.objectives[c.objective].objective
             assert cfg.run.seed == c.seed
             assert cfg.wandb.group == grid.name and cfg.run.name == c.id
+            # an objective's own overrides (a learning-rate sweep) reach its cells, unless the
+            # setting overrides the same key
+            for key, want in grid.objectives[c.objective].set.items():
+                if key not in grid.mismatch[c.mismatch].set:
+                    got = cfg
+                    for part in key.split("."):
+                        got = getattr(got, part)
+                    assert got == want, (c.id, key, got, want)
 
 
 def test_grid_errors_name_the_key(tmp_path, monkeypatch):

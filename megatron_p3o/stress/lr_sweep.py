@@ -1,0 +1,134 @@
+"""Learning-rate sweeps in a stress grid: each objective at its own best learning rate, and how
+much its result depends on that choice.
+
+A grid sweeps the learning rate with objective variants named ``NAME@…`` that set their own
+``optim.lr`` (``p3o@lr1e-4: {objective: p3o, set: {optim.lr: 1.0e-4}}``); ``NAME`` itself runs at
+the grid's (or the base recipe's) rate. For every objective family and setting this module gives
+the seed mean and s.d. at each rate, the best rate and the **sensitivity**: the range of the
+seed means over the rates (P3O's "no trust-region knob" claim is a claim about this range).
+
+The best rate of each family is chosen once, on the control setting (the grid's first mismatch
+setting), and then held fixed: P3O at its rate is compared with each pre-registered comparator at
+*its* rate in the other settings, paired by seed, Holm-adjusted over those tests. The control
+row itself is where the rates were chosen and is not tested (a winner's-curse comparison).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+from .grid import GridConfig
+from .stats import adjust, seed_paired, seed_scores
+
+
+def family(label: str) -> str:
+    """The objective a label belongs to: ``p3o@lr1e-4`` → ``p3o``."""
+    return label.split("@", 1)[0]
+
+
+def learning_rates(
+    grid: GridConfig, base_lr: Optional[float] = None
+) -> Dict[str, Dict[float, str]]:
+    """family -> {learning rate -> objective label}, for families swept over ≥ 2 rates.
+
+    A label's rate is its own ``set: {optim.lr: …}``, else the grid's ``set``, else ``base_lr``
+    (the base recipe's); labels with no known rate are left out."""
+    fams: Dict[str, Dict[float, str]] = {}
+    for label, spec in grid.objectives.items():
+        lr = spec.set.get("optim.lr", grid.set.get("optim.lr", base_lr))
+        if lr is None:
+            continue
+        fams.setdefault(family(label), {})[float(lr)] = label
+    return {f: dict(sorted(r.items())) for f, r in fams.items() if len(r) >= 2}
+
+
+def _mean_sd(xs: List[float]) -> Tuple[float, float]:
+    if not xs:
+        return float("nan"), float("nan")
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def best_rates(grid: GridConfig, cells: List[dict], rates: Dict[str, Dict[float, str]]):
+    """family -> the label of its best rate on the control setting (highest seed mean)."""
+    control = next(iter(grid.mismatch))
+    out = {}
+    for fam, by_lr in rates.items():
+        means = {
+            lab: _mean_sd(list(seed_scores(cells, lab, control).values()))[0]
+            for lab in by_lr.values()
+        }
+        fin = {k: v for k, v in means.items() if math.isfinite(v)}
+        if fin:
+            out[fam] = max(fin, key=fin.get)
+    return out
+
+
+def lr_section(grid: GridConfig, cells: List[dict], base_lr: Optional[float] = None) -> List[str]:
+    """Markdown: the per-rate table with sensitivities, then the best-rate comparisons."""
+    rates = learning_rates(grid, base_lr)
+    if not rates:
+        return []
+    lines = [
+        "## Learning rates: each objective at its own best rate, and its sensitivity",
+        "",
+        "Final held-out accuracy, seed mean ± s.d. per learning rate; best rate in bold; "
+        "sensitivity = max − min of the seed means over the rates.",
+        "",
+        "| objective | setting | rates | best lr | sensitivity |",
+        "|---" * 5 + "|",
+    ]
+    for fam, by_lr in rates.items():
+        for mm in grid.mismatch:
+            stats = {
+                lr: _mean_sd(list(seed_scores(cells, lab, mm).values()))
+                for lr, lab in by_lr.items()
+            }
+            fin = {lr: m for lr, (m, _) in stats.items() if math.isfinite(m)}
+            if not fin:
+                continue
+            best = max(fin, key=fin.get)
+            cols = []
+            for lr, (m, sd) in stats.items():
+                s = f"{lr:g}: {m:.3f} ± {sd:.3f}" if math.isfinite(m) else f"{lr:g}: —"
+                cols.append(f"**{s}**" if lr == best else s)
+            sens = max(fin.values()) - min(fin.values())
+            lines.append(f"| {fam} | {mm} | {'; '.join(cols)} | {best:g} | {sens:.3f} |")
+    chosen = best_rates(grid, cells, rates)
+    subject = chosen.get("p3o")
+    comps = [family(c) for c in grid.comparators if family(c) in chosen and family(c) != "p3o"]
+    if subject is None or not comps:
+        return lines
+    control = next(iter(grid.mismatch))
+    rows, tests = [], []
+    for mm in list(grid.mismatch)[1:]:
+        for c in dict.fromkeys(comps):
+            rows.append((mm, c))
+            tests.append(
+                seed_paired(seed_scores(cells, subject, mm), seed_scores(cells, chosen[c], mm), c)
+            )
+    tests = adjust(tests)
+    lines += [
+        "",
+        f"Best rates chosen on `{control}` (not tested there): "
+        + ", ".join(f"{f} → `{lab}`" for f, lab in chosen.items())
+        + ". P3O at its rate − each comparator at its rate, paired by seed, Holm over these "
+        f"{sum(t is not None for t in tests)} tests:",
+        "",
+        "| setting | comparison | per-seed differences | mean Δ [95% t-CI] | p Holm | "
+        "p sign-flip | call |",
+        "|---" * 7 + "|",
+    ]
+    for (mm, c), t in zip(rows, tests):
+        what = f"`{subject}` − `{chosen[c]}`"
+        if t is None:
+            lines.append(f"| {mm} | {what} |" + " — |" * 5)
+            continue
+        per = ", ".join(f"{d:+.2f}" for d in t.diffs)
+        lines.append(
+            f"| {mm} | {what} | {per} | {t.mean:+.3f} [{t.lo:+.3f}, {t.hi:+.3f}] | "
+            f"{t.p_adj:.3g} | {t.p_perm:.3g} | **{t.call()}** |"
+        )
+    return lines
