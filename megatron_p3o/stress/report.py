@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from ..metrics import COARSE_HIST_RANGE
+from .dose import dose_section, plot_dose
 from .grid import GridConfig
 from .lr_sweep import lr_section
 from .provenance import mixed
@@ -475,6 +476,8 @@ def write_report(
         plot_final_vs_level(out, grid, cells),
         plot_acc_vs_measured(out, grid, cells),
     ]
+    dose_plot = plot_dose(out, grid, cells)
+    plots += [dose_plot] if dose_plot is not None else []
     ok = [c for c in cells if c["status"] == "ok"]
     n_steps = max((c["steps"] for c in ok), default=0)
     md = [
@@ -518,6 +521,7 @@ def write_report(
         "",
     ] + table
     md += [""] + lr_section(grid, cells, _base_lr(grid))
+    md += [""] + dose_section(grid, cells)
     md += [
         "",
         "## Final held-out accuracy (mean ± half-range over seeds; best per column in bold)",
