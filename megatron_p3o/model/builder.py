@@ -95,7 +95,7 @@ class BuildOptions:
     recompute: Optional[str] = None
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
-    fused_logprob: bool = True
+    fused_logprob: bool = False
 
 
 def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: BuildOptions):
