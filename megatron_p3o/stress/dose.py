@@ -16,18 +16,11 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .grid import GridConfig
-from .stats import adjust, seed_paired, seed_scores, t_ppf
+from .grid import GridConfig, control_setting
+from .stats import adjust, mean_sd, seed_paired, seed_scores, t_ppf
 
 # the control's level on axes whose neutral point is not 0 (engine / trainer temperature ratio)
 NEUTRAL = {"engine_temperature": 1.0}
-
-
-def control_setting(grid: GridConfig) -> str:
-    """The control every axis is compared with: the ``baseline`` setting, else the first."""
-    return next((k for k, m in grid.mismatch.items() if m.family == "baseline"), None) or next(
-        iter(grid.mismatch)
-    )
 
 
 def axes(grid: GridConfig) -> Dict[str, List[str]]:
@@ -107,10 +100,9 @@ def dose_section(grid: GridConfig, cells: List[dict]) -> List[str]:
 
 def _ci(xs: List[float]) -> Tuple[float, float]:
     """(mean, half-width of the 95% t-interval) over seeds."""
-    m = sum(xs) / len(xs)
+    m, sd = mean_sd(xs)
     if len(xs) < 2:
         return m, 0.0
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
     return m, t_ppf(0.975, len(xs) - 1) * sd / math.sqrt(len(xs))
 
 

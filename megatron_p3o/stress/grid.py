@@ -141,6 +141,14 @@ def cells(grid: GridConfig) -> List[Cell]:
     return out
 
 
+def control_setting(grid: GridConfig) -> str:
+    """The setting every other one is compared with (dose break points, the learning-rate
+    choice): the one of family ``baseline``, else the grid's first."""
+    return next((k for k, m in grid.mismatch.items() if m.family == "baseline"), None) or next(
+        iter(grid.mismatch)
+    )
+
+
 def cell_config(grid: GridConfig, cell: Cell, world_size: int = 0) -> TrainConfig:
     """The cell's full, validated configuration (run directory under ``grid.work``), for
     ``world_size`` ranks (0 = the grid's ``world_size``)."""

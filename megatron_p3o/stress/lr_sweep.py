@@ -7,19 +7,20 @@ the grid's (or the base recipe's) rate. For every objective family and setting t
 the seed mean and s.d. at each rate, the best rate and the **sensitivity**: the range of the
 seed means over the rates (P3O's "no trust-region knob" claim is a claim about this range).
 
-The best rate of each family is chosen once, on the control setting (the grid's first mismatch
-setting), and then held fixed: P3O at its rate is compared with each pre-registered comparator at
-*its* rate in the other settings, paired by seed, Holm-adjusted over those tests. The control
-row itself is where the rates were chosen and is not tested (a winner's-curse comparison).
+The best rate of each family is chosen once, on the control setting (the ``baseline`` setting,
+else the grid's first: :func:`~.grid.control_setting`), and then held fixed: P3O at its rate is
+compared with each pre-registered comparator at *its* rate in the other settings, paired by
+seed, Holm-adjusted over those tests. The control itself is where the rates were chosen and is
+not tested (a winner's-curse comparison).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
-from .grid import GridConfig
-from .stats import adjust, seed_paired, seed_scores
+from .grid import GridConfig, control_setting
+from .stats import adjust, mean_sd, seed_paired, seed_scores
 
 
 def family(label: str) -> str:
@@ -43,21 +44,13 @@ def learning_rates(
     return {f: dict(sorted(r.items())) for f, r in fams.items() if len(r) >= 2}
 
 
-def _mean_sd(xs: List[float]) -> Tuple[float, float]:
-    if not xs:
-        return float("nan"), float("nan")
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return m, sd
-
-
 def best_rates(grid: GridConfig, cells: List[dict], rates: Dict[str, Dict[float, str]]):
     """family -> the label of its best rate on the control setting (highest seed mean)."""
-    control = next(iter(grid.mismatch))
+    control = control_setting(grid)
     out = {}
     for fam, by_lr in rates.items():
         means = {
-            lab: _mean_sd(list(seed_scores(cells, lab, control).values()))[0]
+            lab: mean_sd(list(seed_scores(cells, lab, control).values()))[0]
             for lab in by_lr.values()
         }
         fin = {k: v for k, v in means.items() if math.isfinite(v)}
@@ -83,8 +76,7 @@ def lr_section(grid: GridConfig, cells: List[dict], base_lr: Optional[float] = N
     for fam, by_lr in rates.items():
         for mm in grid.mismatch:
             stats = {
-                lr: _mean_sd(list(seed_scores(cells, lab, mm).values()))
-                for lr, lab in by_lr.items()
+                lr: mean_sd(list(seed_scores(cells, lab, mm).values())) for lr, lab in by_lr.items()
             }
             fin = {lr: m for lr, (m, _) in stats.items() if math.isfinite(m)}
             if not fin:
@@ -101,9 +93,9 @@ def lr_section(grid: GridConfig, cells: List[dict], base_lr: Optional[float] = N
     comps = [family(c) for c in grid.comparators if family(c) in chosen and family(c) != "p3o"]
     if subject is None or not comps:
         return lines
-    control = next(iter(grid.mismatch))
+    control = control_setting(grid)
     rows, tests = [], []
-    for mm in list(grid.mismatch)[1:]:
+    for mm in [m for m in grid.mismatch if m != control]:
         for c in dict.fromkeys(comps):
             rows.append((mm, c))
             tests.append(

@@ -14,7 +14,7 @@ from .dose import dose_section, plot_dose
 from .grid import GridConfig
 from .lr_sweep import lr_section
 from .provenance import mixed
-from .stats import adjust, best_baseline_bootstrap, seed_paired, seed_scores
+from .stats import adjust, best_baseline_bootstrap, mean_sd, seed_paired, seed_scores
 
 STEP_KEYS = (
     "reward_mean",
@@ -252,8 +252,7 @@ def _spread(scores: Dict[int, float]) -> str:
     xs = list(scores.values())
     if not xs:
         return "—"
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    m, sd = mean_sd(xs)
     return f"{m:.3f} ± {sd:.3f} (n={len(xs)})"
 
 

@@ -235,6 +235,15 @@ class SeedTest:
         return "tie"
 
 
+def mean_sd(xs: Sequence[float]) -> Tuple[float, float]:
+    """(mean, sample s.d.) over seeds; s.d. 0 for one value, (nan, nan) for none."""
+    if not xs:
+        return float("nan"), float("nan")
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd
+
+
 def seed_paired(
     subject: Dict[int, float], comparator: Dict[int, float], name: str = "", level: float = 0.95
 ) -> Optional[SeedTest]:
@@ -245,8 +254,7 @@ def seed_paired(
         return None
     d = [float(subject[s]) - float(comparator[s]) for s in common]
     n = len(d)
-    mean = sum(d) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    mean, sd = mean_sd(d)
     half = t_ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
     p_t = t_sf2(mean / (sd / math.sqrt(n)), n - 1) if sd > 0 else (1.0 if mean == 0 else 0.0)
     return SeedTest(
