@@ -202,6 +202,9 @@ PER_STEP_KEYS = (
     "seq_mask_frac",
     "loss",
     "grad_norm",
+    "grad_clipped",
+    "update_norm",
+    "update_rel",
 )
 
 

@@ -7,8 +7,9 @@ Why: gradient reduction must *sum* over DP×CP and let our loss carry the one gl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -35,6 +36,10 @@ class OptimConfig:
             precision-aware optimizer: fp32 master weights, bf16 moments — 8 instead of 12 bytes
             of state per parameter; needs the distributed optimizer and Transformer Engine's
             FusedAdam, so GPUs only).
+        log_update_size: measure every optimizer step's update ‖Δθ‖ and ‖θ‖ (metrics
+            ``update_norm``, ``param_norm``, ``update_rel``): the effective step size under Adam,
+            after clipping. Costs one copy of this rank's main parameters per step (stress
+            experiments turn it on; off by default).
     """
 
     lr: float = 1e-6
@@ -50,6 +55,7 @@ class OptimConfig:
     lr_decay_steps: int = 1
     lr_decay_style: str = "constant"
     moments_dtype: str = "float32"
+    log_update_size: bool = False
 
 
 def wrap_ddp(
@@ -166,3 +172,61 @@ def build_scheduler(optimizer, cfg: OptimConfig):
         wd_incr_steps=1,
         wd_incr_style="constant",
     )
+
+
+def _sub_optimizers(optimizer) -> list:
+    """The optimizers inside Megatron's ``ChainedOptimizer`` (dense and expert parameters), or
+    ``optimizer`` itself."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _counted_params(sub) -> List[torch.Tensor]:
+    """The main parameters ``sub`` updates, filtered exactly as Megatron filters their gradients
+    for the gradient norm (``MegatronOptimizer.get_main_grads_for_grad_norm``): the second copy
+    of a tied embedding (``shared``) and tensor-parallel replicas (norm weights on every TP rank)
+    count once. With the distributed optimizer these are this DP rank's fp32 shards."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    tp = getattr(sub, "tp_group", None)
+    return [
+        p
+        for p in sub.get_parameters()
+        if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, tp)
+    ]
+
+
+class UpdateSize:
+    """The size of one optimizer step's update, ‖Δθ‖₂ = ‖θ_after − θ_before‖₂ over every
+    parameter of the model, and ‖θ_before‖₂: under Adam the update is ≈ lr per coordinate
+    whatever the gradient's scale, so this (not the gradient norm) is what a stress setting's
+    step actually did to the weights.
+
+    Construct it just before ``optimizer.step()`` (it copies the main parameters), call
+    :meth:`measure` after. The norms reduce as Megatron reduces the gradient norm: its own
+    ``get_grad_norm_fp32`` over each sub-optimizer's ``get_grad_stats_parallel_group()`` (the
+    model-parallel group; the whole world with the distributed optimizer, whose DP shards are
+    disjoint), sub-optimizers combined as √Σ‖·‖². Every rank gets the same numbers.
+    """
+
+    def __init__(self, optimizer):
+        self.subs = [(s, _counted_params(s)) for s in _sub_optimizers(optimizer)]
+        self.before = [[p.detach().clone() for p in ps] for _, ps in self.subs]
+
+    @torch.no_grad()
+    def measure(self) -> Dict[str, float]:
+        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+
+        upd2 = par2 = 0.0
+        for (sub, ps), old in zip(self.subs, self.before):
+            group = sub.get_grad_stats_parallel_group()  # model-parallel (or world): see above
+            delta = [p.detach().float() - o.float() for p, o in zip(ps, old)]
+            upd2 += float(get_grad_norm_fp32(delta, grad_stats_parallel_group=group)) ** 2
+            par2 += float(get_grad_norm_fp32(old, grad_stats_parallel_group=group)) ** 2
+        self.before = []
+        upd, par = math.sqrt(upd2), math.sqrt(par2)
+        return {
+            "update_norm": upd,
+            "param_norm": par,
+            "update_rel": upd / par if par > 0 else float("nan"),
+        }

@@ -30,7 +30,7 @@ from .hf.dist_stream import read_meta
 from .loss import build_objective
 from .metrics import PhaseTimer, combine_optimizer_steps, staleness
 from .model.builder import BuildOptions, build_model
-from .optim import build_optimizer, build_scheduler, wrap_ddp, zero_grads
+from .optim import UpdateSize, build_optimizer, build_scheduler, wrap_ddp, zero_grads
 from .parallel import ParallelGroups
 from .policy_update import PolicyUpdate
 from .reference import ReferenceModel
@@ -293,9 +293,15 @@ class Trainer:
             for m in range(b.minibatches):
                 zero_grads(self.ddp, self.opt)
                 metrics = self.update.run(self.ddp, per_step[m])
+                size = UpdateSize(self.opt) if self.cfg.optim.log_update_size else None
                 ok, gnorm, _ = self.opt.step()
                 self.sched.step(1)
+                if size is not None:
+                    metrics.update(size.measure())
+                # the norm before clipping (Megatron clips to clip_grad inside step())
                 metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
+                clip = self.cfg.optim.clip_grad
+                metrics["grad_clipped"] = float(clip > 0 and metrics["grad_norm"] > clip)
                 metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
                 steps.append((epoch, m, metrics))
         return {**combine_optimizer_steps(steps), **packing, **ref, **self._route_metrics()}

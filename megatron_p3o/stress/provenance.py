@@ -1,8 +1,11 @@
-"""Where a stress cell's numbers come from: the code's commit, the base model's hash and the grid
-file's hash, recorded in every ``cell.json`` so that a report can refuse to mix them silently.
+"""Where a stress cell's numbers come from: the code's commit, the base model's hash, the grid
+file's hash and the CPU's vector instruction set, recorded in every ``cell.json`` so that a
+report can refuse to mix them silently.
 
 Why: a grid resumes cell by cell over days; cells of another commit (or of another base model,
-re-made on another CPU) would otherwise be averaged with the rest without a trace.
+re-made on another CPU) would otherwise be averaged with the rest without a trace. The
+instruction set decides how the CPU kernels round, so the same commit, base and seed give the
+same numbers only on the same ``cpu_isa`` (another one trains another trajectory).
 """
 
 from __future__ import annotations
@@ -48,11 +51,23 @@ def tree_hash(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def cpu_isa() -> str:
+    """The widest x86 vector extension torch's CPU kernels use here (``torch.backends.cpu.
+    get_cpu_capability()``: "AVX512", "AVX2", "DEFAULT", or the ARM equivalent)."""
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def provenance(grid_path: str | Path, base_checkpoint: str) -> Dict[str, str]:
     return {
         "commit": code_commit(),
         "base_hash": tree_hash(base_checkpoint) if base_checkpoint else "none",
         "grid_hash": tree_hash(grid_path),
+        "cpu_isa": cpu_isa(),
     }
 
 
@@ -64,6 +79,7 @@ def mixed(cells: List[dict]) -> List[str]:
         ("commit", "commits"),
         ("base_hash", "base models"),
         ("grid_hash", "grid files"),
+        ("cpu_isa", "CPU instruction sets"),
     ):
         values: Dict[str, List[str]] = {}
         for c in cells:

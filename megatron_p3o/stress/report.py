@@ -13,6 +13,7 @@ from ..metrics import COARSE_HIST_RANGE
 from .dose import dose_section, plot_dose
 from .grid import GridConfig
 from .lr_sweep import lr_section
+from .mechanisms import mechanisms_section
 from .provenance import mixed
 from .stats import adjust, best_baseline_bootstrap, mean_sd, seed_paired, seed_scores
 
@@ -24,6 +25,9 @@ STEP_KEYS = (
     "ratio_p99",
     "loss",
     "grad_norm",
+    "grad_clipped",
+    "update_rel",
+    "entropy",
     "staleness_mean",
 )
 
@@ -471,6 +475,9 @@ def write_report(
             "ess_vs_step.png",
             smooth=1,
         ),
+        plot_curves(
+            out, grid, cells, steps, "entropy", "policy entropy (nats/token)", "entropy_vs_step.png"
+        ),
         plot_ratio_hist(out, grid, cells, steps),
         plot_final_vs_level(out, grid, cells),
         plot_acc_vs_measured(out, grid, cells),
@@ -500,10 +507,12 @@ def write_report(
     mixed_from = mixed(cells)
     md += [""] + [f"**Provenance: {m}.**" for m in mixed_from]
     if not mixed_from and cells:
-        got = {k: cells[0].get(k, "unrecorded") for k in ("commit", "base_hash", "grid_hash")}
+        keys = ("commit", "base_hash", "grid_hash", "cpu_isa")
+        got = {k: cells[0].get(k, "unrecorded") for k in keys}
         md.append(
             f"Provenance: every cell from commit `{got['commit']}`, base model "
-            f"`{got['base_hash']}`, grid file `{got['grid_hash']}`."
+            f"`{got['base_hash']}`, grid file `{got['grid_hash']}`, CPU kernels "
+            f"`{got['cpu_isa']}`."
         )
     md += ["", "## What it shows", ""]
     if grid.notes.strip():
@@ -521,6 +530,7 @@ def write_report(
     ] + table
     md += [""] + lr_section(grid, cells, _base_lr(grid))
     md += [""] + dose_section(grid, cells)
+    md += [""] + mechanisms_section(grid, cells)
     md += [
         "",
         "## Final held-out accuracy (mean ± half-range over seeds; best per column in bold)",

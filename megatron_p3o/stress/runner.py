@@ -82,6 +82,13 @@ def summarize(
         "k3_to_behavior_run": run("k3_to_behavior"),
         "ess_step_min": min((p["ess"] for p in per if "ess" in p), default=float("nan")),
         "clip_frac_run": run("clip_frac"),
+        # mechanisms: how hard each optimizer step pushed (gradient norm before clipping, the
+        # share of steps that clip_grad cut, the update's size under Adam) and the entropy
+        "grad_clipped_run": run("grad_clipped"),
+        "update_norm_run": run("update_norm"),
+        "update_rel_run": run("update_rel"),
+        "entropy_first5": _mean(col("entropy")[:5]),
+        "entropy_last5": _mean(col("entropy")[-5:]),
         "opt_steps": len(per),
         "wall_s": wall_s,
         "final_per_prompt": final_per_prompt or [],

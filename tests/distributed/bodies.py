@@ -16,7 +16,14 @@ from megatron_p3o.loss.logprob import vocab_parallel_logprobs
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.description import ModelDescription
 from megatron_p3o.model.forward import forward_backward, next_token_targets
-from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp, zero_grads
+from megatron_p3o.optim import (
+    OptimConfig,
+    UpdateSize,
+    build_optimizer,
+    build_scheduler,
+    wrap_ddp,
+    zero_grads,
+)
 
 FAMILIES = {
     "llama": dict(
@@ -248,7 +255,7 @@ def optimizer_steps(groups, family: str, init: str, out: str, distributed: bool,
     sched = build_scheduler(opt, cfg)
     batch = make_batch(family)
     n_global = batch["loss_mask"].sum()
-    norms = []
+    norms, sizes = [], []
     for _ in range(steps):
         zero_grads(ddp, opt)
         forward_backward(
@@ -257,12 +264,14 @@ def optimizer_steps(groups, family: str, init: str, out: str, distributed: bool,
             _split_microbatches(batch, groups, 1),
             nll_loss_fn(groups, FAMILIES[family]["vocab_size"], n_global),
         )
+        size = UpdateSize(opt)
         ok, gnorm, _ = opt.step()
         sched.step(1)
         assert ok
         norms.append(float(gnorm))
+        sizes.append(size.measure())
     save_model_state(chunks, out)
-    return norms
+    return {"norms": norms, "sizes": sizes}
 
 
 def reference_adamw(groups, family: str, init: str, trained: str, steps: int = 2):
@@ -281,8 +290,9 @@ def reference_adamw(groups, family: str, init: str, trained: str, steps: int = 2
     batch = make_batch(family)
     vocab = FAMILIES[family]["vocab_size"]
     pos = torch.arange(SEQ)[None].expand(BATCH, -1)
-    norms = []
+    norms, sizes = [], []
     for _ in range(steps):
+        before = [p.detach().double().clone() for p in model.parameters()]
         opt.zero_grad()
         logits = model(batch["tokens"], pos, None)
         lp = torch.log_softmax(logits[..., :vocab].double(), -1).gather(
@@ -292,11 +302,21 @@ def reference_adamw(groups, family: str, init: str, trained: str, steps: int = 2
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
+        # float64 ‖Δθ‖ and ‖θ‖ over every parameter once (a tied embedding is one parameter)
+        sizes.append(
+            {
+                "update_norm": float(
+                    sum(((p.double() - b) ** 2).sum() for p, b in zip(model.parameters(), before))
+                    ** 0.5
+                ),
+                "param_norm": float(sum((b**2).sum() for b in before) ** 0.5),
+            }
+        )
     (other,) = _build(family, groups)
     load_model_state([other], trained)
     po = dict(other.named_parameters())
     errs = {n: float((p.detach() - po[n]).abs().max()) for n, p in model.named_parameters()}
-    return {"errors": errs, "norms": norms}
+    return {"errors": errs, "norms": norms, "sizes": sizes}
 
 
 def try_layout(groups, **layout_kwargs):

@@ -28,6 +28,7 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
             "batch.prompts_per_rollout": 8,
             "data.eval_every": 0,
             "checkpoint.every": 0,
+            "optim.log_update_size": True,
             "model.checkpoint": str(base / "ckpt"),
             "data.path": str(base / "train.jsonl"),
             "data.eval_path": str(base / "heldout.jsonl"),
@@ -74,10 +75,18 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
         "ratio_hist.png",
         "final_acc_vs_mismatch.png",
         "acc_vs_measured_mismatch.png",
+        "entropy_vs_step.png",
     ):
         assert (tmp_path / "out" / f).stat().st_size > 0, f
     report = (tmp_path / "out" / "report.md").read_text()
     assert "mean Δ [95% t-CI]" in report and "| bf16 | P3O − tis |" in report
+    # the mechanisms: clip share a fraction, an update under Adam (lr 2e-4 per coordinate: a
+    # relative size well below 1), the policy's entropy, one table row per setting × objective
+    for x in rows:
+        assert 0.0 <= float(x["grad_clipped_run"]) <= 1.0
+        assert 0.0 < float(x["update_rel_run"]) < 0.1 and float(x["update_norm_run"]) > 0
+        assert float(x["entropy_first5"]) > 0
+    assert "## Mechanisms" in report and "| noise | tis |" in report
     cell = json.loads((tmp_path / "work" / "p3o__bf16__s1" / "cell.json").read_text())
     assert len(cell["final_per_prompt"]) == 20 and cell["opt_steps"] == 2
     marks = {p: p.stat().st_mtime_ns for p in (tmp_path / "work").glob("*/cell.json")}

@@ -201,3 +201,6 @@ def test_provenance_names_what_differs(tmp_path):
     other = same + [{"cell": "c9", "commit": "z", "base_hash": "b", "grid_hash": "g"}]
     (msg,) = mixed(other)
     assert "2 commits" in msg and "c9" in msg
+    isa = same + [{"cell": "c8", "commit": "a", "base_hash": "b", "grid_hash": "g", "cpu_isa": "X"}]
+    (msg,) = mixed([{**c, "cpu_isa": "AVX2"} for c in same] + isa[-1:])
+    assert "2 CPU instruction sets" in msg and "c8" in msg

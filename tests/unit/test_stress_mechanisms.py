@@ -1,0 +1,59 @@
+"""The stress report's mechanisms table (stress/mechanisms.py) on synthetic cells, against
+means and seed standard deviations written out here."""
+
+from megatron_p3o.stress.grid import GridConfig, MismatchSpec, ObjectiveSpec
+from megatron_p3o.stress.mechanisms import K3_NOTE, mechanisms_section
+
+
+def _grid():
+    m = {"bf16": MismatchSpec("baseline"), "noise": MismatchSpec("logit_noise", 1.0)}
+    o = {"p3o": ObjectiveSpec("p3o"), "grpo": ObjectiveSpec("grpo")}
+    return GridConfig(base="x", objectives=o, mismatch=m, seeds=[1, 2, 3])
+
+
+def _cell(obj, mm, seed, **kw):
+    base = {"objective": obj, "mismatch": mm, "seed": seed, "status": "ok", "cell": "x"}
+    return {**base, **kw}
+
+
+def test_mechanisms_table_means_and_seed_sd():
+    cells = []
+    # p3o under noise: clipped 0, 0.5, 1 of its steps -> 50% ± 50%; update_rel 1e-3, 2e-3,
+    # 3e-3 -> "2.00 ± 1.00" ×1e3; entropy falls 0.9 -> 0.3 on every seed
+    for s, (clip, rel) in enumerate([(0.0, 1e-3), (0.5, 2e-3), (1.0, 3e-3)], start=1):
+        cells.append(
+            _cell(
+                "p3o",
+                "noise",
+                s,
+                ess_mean=0.5,
+                ess_step_min=0.25,
+                grad_norm_mean=2.0,
+                grad_clipped_run=clip,
+                update_rel_run=rel,
+                entropy_first5=0.9,
+                entropy_last5=0.3,
+                kl_b_theta_run=0.01,
+            )  # fmt: skip
+        )
+    cells.append(_cell("grpo", "bf16", 1, grad_clipped_run=0.0, status="failed: x"))
+    lines = mechanisms_section(_grid(), cells)
+    row = next(x for x in lines if x.startswith("| noise | p3o |"))
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    assert cols[2:] == [
+        "0.500 ± 0.000",
+        "0.250 ± 0.000",
+        "2.00 ± 0.00",
+        "50% ± 50%",
+        "2.00 ± 1.00",
+        "0.900 ± 0.000",
+        "0.300 ± 0.000",
+        "0.0100 ± 0.0000",
+    ]
+    assert not any(x.startswith("| bf16 | grpo |") for x in lines)  # failed cells are left out
+    assert lines[-1] == K3_NOTE
+
+
+def test_no_section_for_cells_without_the_columns():
+    cells = [_cell("p3o", "bf16", 1, ess_mean=0.9)]  # a grid run before the mechanism columns
+    assert mechanisms_section(_grid(), cells) == []
