@@ -1,7 +1,9 @@
 """Train–rollout mismatch diagnostics reported for every objective (per the formulas doc).
 
 Ratio ρ = πθ/πb: mean, std, max and p50/p90/p99; mean k3(πθ‖πb); KL(πb‖πθ) estimated on the
-engine's samples; mean and p99 (``abs_log_ratio_p99``) of |ℓθ − ℓb|; entropy.
+engine's samples; mean and p99 (``abs_log_ratio_p99``) of |ℓθ − ℓb|; entropy; with a reference
+model, ``kl_ref_k3``: the mean k3 of πθ to πref on the same samples (the "KL to the reference"
+of verl and NeMo-RL, whatever the objective's own use of ℓref).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs, entropy: bool = True
     acc.add("kl_behavior_theta", ((rho - 1.0 - d) * m).sum(), n)
     acc.add("abs_logprob_diff", (d.abs() * m).sum(), n)
     acc.add_log_hist("ratio", d, mask=m)
+    if inp.ref_logprobs is not None:
+        acc.add("kl_ref_k3", k3(inp.logprobs.detach(), inp.ref_logprobs, m).sum(), n)
     if entropy and inp.entropy is not None:
         acc.add("entropy", (inp.entropy.detach() * m).sum(), n)
 

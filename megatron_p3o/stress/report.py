@@ -12,6 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 from ..metrics import COARSE_HIST_RANGE
 from .dose import dose_section, plot_dose
 from .grid import GridConfig
+from .long_run import long_run_section, plot_eval_curves
 from .lr_sweep import lr_section
 from .mechanisms import mechanisms_section
 from .provenance import mixed
@@ -28,6 +29,8 @@ STEP_KEYS = (
     "grad_clipped",
     "update_rel",
     "entropy",
+    "kl_ref_k3",
+    "completion_len",
     "staleness_mean",
 )
 
@@ -35,10 +38,10 @@ STEP_KEYS = (
 def write_csv(path: Path, rows: Sequence[dict]) -> None:
     if not rows:
         return
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # a failed cell lacks some columns
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=keys, restval="")
         w.writeheader()
         w.writerows(rows)
     tmp.replace(path)
@@ -447,13 +450,17 @@ def _base_lr(grid: GridConfig):
         return None
 
 
+_NOT_IN_CSV = ("final_per_prompt", "eval_curve")  # lists, kept in each cell.json
+
+
 def write_report(
     grid: GridConfig, cells: List[dict], steps: Dict[str, List[dict]], wall_s: float, grid_path: str
 ) -> Path:
     out = Path(grid.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(
-        out / "cells.csv", [{k: v for k, v in c.items() if k != "final_per_prompt"} for c in cells]
+        out / "cells.csv",
+        [{k: v for k, v in c.items() if k not in _NOT_IN_CSV} for c in cells],
     )
     write_csv(
         out / "steps.csv",
@@ -482,8 +489,21 @@ def write_report(
         plot_final_vs_level(out, grid, cells),
         plot_acc_vs_measured(out, grid, cells),
     ]
-    dose_plot = plot_dose(out, grid, cells)
-    plots += [dose_plot] if dose_plot is not None else []
+    if any(c.get("eval_curve") for c in cells):  # long runs: their per-step curves too
+        plots += [
+            plot_curves(out, grid, cells, steps, "kl_ref_k3", "k3 KL(πθ‖πref)", "kl_ref.png"),
+            plot_curves(
+                out,
+                grid,
+                cells,
+                steps,
+                "completion_len",
+                "completion tokens",
+                "completion_len.png",
+            ),  # fmt: skip
+        ]
+    for extra in (plot_dose(out, grid, cells), plot_eval_curves(out, grid, cells)):
+        plots += [extra] if extra is not None else []
     ok = [c for c in cells if c["status"] == "ok"]
     n_steps = max((c["steps"] for c in ok), default=0)
     md = [
@@ -531,6 +551,7 @@ def write_report(
     md += [""] + lr_section(grid, cells, _base_lr(grid))
     md += [""] + dose_section(grid, cells)
     md += [""] + mechanisms_section(grid, cells)
+    md += [""] + long_run_section(grid, cells)
     md += [
         "",
         "## Final held-out accuracy (mean ± half-range over seeds; best per column in bold)",

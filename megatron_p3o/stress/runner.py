@@ -89,6 +89,8 @@ def summarize(
         "update_rel_run": run("update_rel"),
         "entropy_first5": _mean(col("entropy")[:5]),
         "entropy_last5": _mean(col("entropy")[-5:]),
+        "kl_ref_last5": _mean(col("kl_ref_k3")[-5:]),
+        "completion_len_last5": _mean(col("completion_len")[-5:]),
         "opt_steps": len(per),
         "wall_s": wall_s,
         "final_per_prompt": final_per_prompt or [],
@@ -107,6 +109,7 @@ def run_cell(
     (also written to ``cell.json`` on rank 0)."""
     import torch.distributed as dist
 
+    from ..evaluation import sets_due
     from ..parallel import initialize
     from ..trainer import Trainer
 
@@ -120,6 +123,7 @@ def run_cell(
     groups = initialize(p.layout(), seed=cfg.run.seed)
     t0 = time.perf_counter()
     steps: List[dict] = []
+    curve: List[dict] = []  # eval sets (pass@k, greedy) every eval.every steps
     trainer = Trainer(cfg, groups)
     probe: Dict[str, float] = {}
     try:
@@ -128,15 +132,20 @@ def run_cell(
 
             probe = probe_mismatch(trainer, grid.probe_prompts)
         acc0 = _start_accuracy(grid, cfg, trainer)
-        for _ in range(cfg.steps):
+        if cfg.eval.sets:  # long runs: the eval sets' curve starts at the base weights
+            curve.append({"step": 0, **trainer.evaluate_sets()})
+        for i in range(1, cfg.steps + 1):
             m = trainer.step()
             steps.append(m)
+            if sets_due(cfg.eval, i, i == cfg.steps):
+                curve.append({"step": i, **trainer.evaluate_sets()})
             if on_step:
                 on_step(m)
         acc1, per_prompt = trainer.evaluate_detail(cfg.data.eval_path, grid.eval_limit)
         summary = summarize(
             cell, steps, acc0, acc1, time.perf_counter() - t0, final_per_prompt=per_prompt
         )
+        summary.update(curve_summary(curve))
     except Exception as e:  # noqa: BLE001 - a broken configuration is a result, not a crash
         summary = summarize(
             cell,
@@ -157,6 +166,19 @@ def run_cell(
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(run_dir / SUMMARY)  # the marker appears whole or not at all
     return summary
+
+
+def curve_summary(curve: List[dict]) -> dict:
+    """The eval-set curve (kept whole in ``cell.json``, not in the CSV) and its last point as
+    CSV columns: ``eval/heldout/pass@8`` at the end → ``heldout_pass@8_end``."""
+    if not curve:
+        return {}
+    last = {
+        k.removeprefix("eval/").replace("/", "_") + "_end": v
+        for k, v in curve[-1].items()
+        if k.startswith("eval/") and not k.endswith("/prompts")
+    }
+    return {**last, "eval_curve": curve}
 
 
 def _start_accuracy(grid: GridConfig, cfg: TrainConfig, trainer) -> float:

@@ -29,6 +29,13 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
             "data.eval_every": 0,
             "checkpoint.every": 0,
             "optim.log_update_size": True,
+            # a long run's curves: eval sets at the base weights, every step and at the end;
+            # the reference model for the KL to it
+            "reference.enabled": True,
+            "eval.every": 1,
+            "eval.sets": {
+                "h": {"path": str(base / "heldout.jsonl"), "n": 2, "k": [1, 2], "limit": 8}
+            },
             "model.checkpoint": str(base / "ckpt"),
             "data.path": str(base / "train.jsonl"),
             "data.eval_path": str(base / "heldout.jsonl"),
@@ -87,8 +94,13 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
         assert 0.0 < float(x["update_rel_run"]) < 0.1 and float(x["update_norm_run"]) > 0
         assert float(x["entropy_first5"]) > 0
     assert "## Mechanisms" in report and "| noise | tis |" in report
+    for x in rows:  # the eval set's last point, and the KL to the (initial-policy) reference
+        assert 0.0 <= float(x["h_pass@1_mean_end"]) <= float(x["h_pass@2_end"]) <= 1.0
+        assert float(x["kl_ref_last5"]) > 0 and float(x["completion_len_last5"]) >= 1
+    assert "## Long runs" in report and (tmp_path / "out" / "eval_curves.png").stat().st_size
     cell = json.loads((tmp_path / "work" / "p3o__bf16__s1" / "cell.json").read_text())
     assert len(cell["final_per_prompt"]) == 20 and cell["opt_steps"] == 2
+    assert [p["step"] for p in cell["eval_curve"]] == [0, 1, 2]
     marks = {p: p.stat().st_mtime_ns for p in (tmp_path / "work").glob("*/cell.json")}
     again = subprocess.run(cmd + ["--list"], capture_output=True, text=True, env=ENV, timeout=600)
     assert again.stdout.count("done ") == 4 and "0 to run" in again.stdout

@@ -57,3 +57,31 @@ def test_mechanisms_table_means_and_seed_sd():
 def test_no_section_for_cells_without_the_columns():
     cells = [_cell("p3o", "bf16", 1, ess_mean=0.9)]  # a grid run before the mechanism columns
     assert mechanisms_section(_grid(), cells) == []
+
+
+def test_long_run_curve_columns_and_table():
+    from megatron_p3o.stress.long_run import _by_step, long_run_section
+    from megatron_p3o.stress.runner import curve_summary
+
+    def curve(start, end):
+        return [
+            {"step": k, "eval/h/pass@1_mean": v, "eval/h/pass@4": v + 0.2, "eval/h/prompts": 9}
+            for k, v in ((0, start), (30, end))
+        ]
+
+    s = curve_summary(curve(0.5, 0.7))
+    assert s["h_pass@1_mean_end"] == 0.7 and s["h_pass@4_end"] == 0.7 + 0.2
+    assert "h_prompts_end" not in s and len(s["eval_curve"]) == 2
+    assert curve_summary([]) == {}
+    cells = [
+        _cell("p3o", "bf16", seed, eval_curve=curve(0.5, end), steps=30, entropy_last5=0.2)
+        for seed, end in ((1, 0.6), (2, 0.8))
+    ]
+    assert _by_step(cells, "eval/h/pass@1_mean") == ([0, 30], [0.5, 0.7], [0.0, 0.1 * 2**0.5])
+    lines = long_run_section(_grid(), cells)
+    assert lines[0].startswith("## Long runs") and "after 30 steps" in lines[0]
+    row = next(x for x in lines if x.startswith("| bf16 | p3o |"))
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    # pass@1 mean 0.7 ± 0.141 (0.6, 0.8); pass@4 0.9 ± 0.141; entropy; no KL / length recorded
+    assert cols[2:] == ["0.700 ± 0.141", "0.900 ± 0.141", "0.200 ± 0.000", "—", "—"]
+    assert long_run_section(_grid(), [_cell("p3o", "bf16", 1)]) == []
