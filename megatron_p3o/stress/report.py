@@ -48,11 +48,14 @@ def write_csv(path: Path, rows: Sequence[dict]) -> None:
 
 
 def _save(fig, path: Path, title: str = "") -> Path:
-    """Title, layout, PNG at 110 dpi, figure closed."""
+    """Title (wrapped to the figure's width: a one-panel figure cut it off), layout, PNG at 110
+    dpi, figure closed."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
     if title:
-        fig.suptitle(title)
+        fig.suptitle(textwrap.fill(title, width=max(30, int(fig.get_figwidth() * 9))))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
