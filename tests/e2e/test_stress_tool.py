@@ -121,3 +121,14 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
         return [{k: v for k, v in x.items() if k != "wall_s"} for x in rows]
 
     assert table((tmp_path / "out" / "cells.csv").read_text()) == table(first)
+    # tools/rerun_cells.py: one cell again from scratch equals its committed row, every column
+    tool = [sys.executable, str(ROOT / "tools/rerun_cells.py"), str(path)]
+    r = subprocess.run(
+        tool + ["--cells", "tis__noise__s1"], capture_output=True, text=True, env=ENV, timeout=600
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("tis__noise__s1:")]
+    n = line.split()[1]
+    assert n.split("/")[0] == n.split("/")[1] and int(n.split("/")[0]) > 30, line
+    bad = subprocess.run(tool + ["--cells", "nope"], capture_output=True, text=True, env=ENV)
+    assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
