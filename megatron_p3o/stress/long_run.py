@@ -10,11 +10,11 @@ length come from ``metrics.jsonl`` (``report.plot_curves``).
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .grid import GridConfig
+from .mechanisms import seed_table
 from .stats import mean_sd
 
 
@@ -81,14 +81,6 @@ def plot_eval_curves(out: Path, grid: GridConfig, cells: List[dict]) -> Optional
     return _save(fig, out / "eval_curves.png", title)
 
 
-def _cell_text(xs: List[float], fmt: str) -> str:
-    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
-    if not xs:
-        return "—"
-    m, sd = mean_sd(xs)
-    return f"{m:{fmt}} ± {sd:{fmt}}"
-
-
 def long_run_section(grid: GridConfig, cells: List[dict]) -> List[str]:
     """Where each objective ends after a long run (empty when no cell has an eval curve)."""
     ok = [c for c in cells if c.get("status") == "ok" and c.get("eval_curve")]
@@ -109,20 +101,10 @@ def long_run_section(grid: GridConfig, cells: List[dict]) -> List[str]:
         "the policy entropy, the k3 estimate of KL(πθ‖πref) to the initial policy on the rollout "
         "samples, and the mean completion length over the last five rollout batches.",
         "",
-        "| setting | objective | " + " | ".join(n for n, _, _ in cols) + " |",
-        "|---" * (len(cols) + 2) + "|",
     ]
-    for mm in grid.mismatch:
-        for obj in grid.objectives:
-            sel = [c for c in ok if c["mismatch"] == mm and c["objective"] == obj]
-            if not sel:
-                continue
-            vals = []
-            for _, k, f in cols:
-                if k.startswith("eval/"):
-                    xs = [c["eval_curve"][-1].get(k, float("nan")) for c in sel]
-                else:
-                    xs = [c.get(k, float("nan")) for c in sel]
-                vals.append(_cell_text(xs, f))
-            lines.append(f"| {mm} | {obj} | " + " | ".join(vals) + " |")
-    return lines
+
+    def value(c: dict, k: str) -> float:
+        point = c["eval_curve"][-1] if k.startswith("eval/") else c
+        return point.get(k, float("nan"))
+
+    return lines + seed_table(grid, ok, cols, value)

@@ -14,7 +14,7 @@ Columns (each the mean over seeds ± seed s.d. of a per-cell run average):
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import Callable, List, Sequence, Tuple
 
 from .grid import GridConfig
 from .stats import mean_sd
@@ -39,14 +39,37 @@ K3_NOTE = (
 )
 
 
-def _fmt(xs: List[float], fmt: str) -> str:
-    xs = [float(x) for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+def mean_sd_text(xs: List[float], fmt: str) -> str:
+    """``"mean ± s.d."`` of the finite values of ``xs`` over seeds ("—" when there are none);
+    ``fmt`` is a format spec, or "1e3" for the value ×1000 to two decimals."""
+    xs = [float(x) for x in xs if _finite(x)]
     if not xs:
         return "—"
     m, sd = mean_sd(xs)
     if fmt == "1e3":
         return f"{m * 1e3:.2f} ± {sd * 1e3:.2f}"
     return f"{m:{fmt}} ± {sd:{fmt}}"
+
+
+def seed_table(
+    grid: GridConfig,
+    cells: List[dict],
+    cols: Sequence[Tuple[str, str, str]],
+    value: Callable[[dict, str], float],
+) -> List[str]:
+    """A markdown table, one row per (setting, objective) with cells, one column per
+    ``(name, key, fmt)`` of ``cols``: :func:`mean_sd_text` of ``value(cell, key)`` over seeds."""
+    lines = [
+        "| setting | objective | " + " | ".join(n for n, _, _ in cols) + " |",
+        "|---" * (len(cols) + 2) + "|",
+    ]
+    for mm in grid.mismatch:
+        for obj in grid.objectives:
+            sel = [c for c in cells if c["mismatch"] == mm and c["objective"] == obj]
+            if sel:
+                vals = [mean_sd_text([value(c, k) for c in sel], f) for _, k, f in cols]
+                lines.append(f"| {mm} | {obj} | " + " | ".join(vals) + " |")
+    return lines
 
 
 def mechanisms_section(grid: GridConfig, cells: List[dict]) -> List[str]:
@@ -64,16 +87,8 @@ def mechanisms_section(grid: GridConfig, cells: List[dict]) -> List[str]:
         "size under Adam, the policy entropy at the start and end of the run, and the "
         "KL(πb‖πθ) the run faced.",
         "",
-        "| setting | objective | " + " | ".join(n for n, _, _ in cols) + " |",
-        "|---" * (len(cols) + 2) + "|",
     ]
-    for mm in grid.mismatch:
-        for obj in grid.objectives:
-            sel = [c for c in ok if c["mismatch"] == mm and c["objective"] == obj]
-            if not sel:
-                continue
-            vals = [_fmt([c.get(k) for c in sel], f) for _, k, f in cols]
-            lines.append(f"| {mm} | {obj} | " + " | ".join(vals) + " |")
+    lines += seed_table(grid, ok, cols, lambda c, k: c.get(k, float("nan")))
     return lines + ["", K3_NOTE]
 
 
