@@ -35,14 +35,24 @@ def code_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+# torch.distributed.checkpoint's index: it records a random ``save_id`` of every save, so the
+# same weights saved twice differ there (the shards and common.pt hold the weights)
+_PER_SAVE = {".metadata"}
+
+
 def tree_hash(path: str | Path) -> str:
     """sha256 (first 16 hex digits) over the relative names and bytes of every file under
-    ``path`` (a checkpoint directory) or of the file itself; "missing" when it does not exist."""
+    ``path`` (a checkpoint directory, less the per-save ``.metadata`` index) or of the file
+    itself; "missing" when it does not exist."""
     p = Path(path)
     if not p.exists():
         return "missing"
     h = hashlib.sha256()
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    files = (
+        [p]
+        if p.is_file()
+        else sorted(f for f in p.rglob("*") if f.is_file() and f.name not in _PER_SAVE)
+    )
     for f in files:
         h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode() + b"\0")
         with open(f, "rb") as fh:

@@ -195,6 +195,9 @@ def test_provenance_names_what_differs(tmp_path):
     h = tree_hash(tmp_path / "ck")
     (tmp_path / "ck" / "w.bin").write_bytes(b"abd")
     assert tree_hash(tmp_path / "ck") != h and tree_hash(tmp_path / "nope") == "missing"
+    h = tree_hash(tmp_path / "ck")  # the same weights saved again: a new DCP save_id only
+    (tmp_path / "ck" / ".metadata").write_bytes(b"save_id 1")
+    assert tree_hash(tmp_path / "ck") == h
     assert len(code_commit().split("+")[0]) in (40, 7)  # a git checkout (CI clones one)
     same = [{"cell": f"c{i}", "commit": "a", "base_hash": "b", "grid_hash": "g"} for i in range(3)]
     assert mixed(same) == []
