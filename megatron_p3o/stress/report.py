@@ -503,7 +503,7 @@ def write_report(
                 "completion_len",
                 "completion tokens",
                 "completion_len.png",
-            ),  # fmt: skip
+            ),
         ]
     for extra in (plot_dose(out, grid, cells), plot_eval_curves(out, grid, cells)):
         plots += [extra] if extra is not None else []
