@@ -130,6 +130,7 @@ def _run_workers(a, grid, todo, con) -> None:
         cmd = [sys.executable, "-m", "megatron_p3o.stress", a.grid, "--worker", f"{i}/{n}"]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     t0 = time.perf_counter()
+    before = sum(finished(grid, c) is not None for c in todo)
     with Progress(
         TextColumn("cells"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=con,
@@ -143,7 +144,12 @@ def _run_workers(a, grid, todo, con) -> None:
         log.close()
         if p.returncode:
             con.print(f"[red]worker {i} exited {p.returncode}: see {work}/worker{i}.log")
-    con.print(f"ran the grid in {(time.perf_counter() - t0) / 60:.1f} min with {n} workers")
+    wall = time.perf_counter() - t0
+    con.print(f"ran the grid in {wall / 60:.1f} min with {n} workers")
+    from megatron_p3o.stress.provenance import log_grid_run
+
+    ran = sum(finished(grid, c) is not None for c in todo) - before
+    log_grid_run(grid, wall_s=wall, workers=n, cells_run=ran)
 
 
 _DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

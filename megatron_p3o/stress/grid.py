@@ -156,6 +156,20 @@ def cell_config(grid: GridConfig, cell: Cell, world_size: int = 0) -> TrainConfi
     # with W&B on, the cells of a grid are runs of one group, each named after its cell
     run = [f"run.dir={grid.work}", f"run.name={cell.id}", f"wandb.group={grid.name}"]
     cfg = load_config(grid.base, cell.overrides + run)
+    if cfg.rollout.engine == "sglang" and world_size == 1:
+        # Single-process cells run side by side (--workers): each launches its own SGLang
+        # server and opens its own weight-update rendezvous, so each gets free ports unless the
+        # grid pins them. (Multi-rank cells run one at a time, on the recipe's ports: every
+        # rank must agree on them.)
+        from ..ports import free_port
+
+        pinned = {o.split("=", 1)[0] for o in cell.overrides}
+        ports = [
+            f"{k}={free_port()}"
+            for k in ("rollout.sglang.port", "rollout.weight_sync_port")
+            if k not in pinned
+        ]
+        cfg = load_config(grid.base, cell.overrides + run + ports)
     try:
         return cfg.validate(world_size)
     except ConfigError as e:

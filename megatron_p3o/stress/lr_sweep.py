@@ -59,6 +59,18 @@ def best_rates(grid: GridConfig, cells: List[dict], rates: Dict[str, Dict[float,
     return out
 
 
+def sensitivity(cells: List[dict], by_lr: Dict[float, str], mismatch: str):
+    """``(best rate, sensitivity, {rate: (seed mean, seed s.d.)})`` of one objective family on one
+    setting: the sensitivity is max − min of the seed means over the rates (None: no results)."""
+    stats = {
+        lr: mean_sd(list(seed_scores(cells, lab, mismatch).values())) for lr, lab in by_lr.items()
+    }
+    fin = {lr: m for lr, (m, _) in stats.items() if math.isfinite(m)}
+    if not fin:
+        return None
+    return max(fin, key=fin.get), max(fin.values()) - min(fin.values()), stats
+
+
 def lr_section(grid: GridConfig, cells: List[dict], base_lr: Optional[float] = None) -> List[str]:
     """Markdown: the per-rate table with sensitivities, then the best-rate comparisons."""
     rates = learning_rates(grid, base_lr)
@@ -75,18 +87,14 @@ def lr_section(grid: GridConfig, cells: List[dict], base_lr: Optional[float] = N
     ]
     for fam, by_lr in rates.items():
         for mm in grid.mismatch:
-            stats = {
-                lr: mean_sd(list(seed_scores(cells, lab, mm).values())) for lr, lab in by_lr.items()
-            }
-            fin = {lr: m for lr, (m, _) in stats.items() if math.isfinite(m)}
-            if not fin:
+            got = sensitivity(cells, by_lr, mm)
+            if got is None:
                 continue
-            best = max(fin, key=fin.get)
+            best, sens, stats = got
             cols = []
             for lr, (m, sd) in stats.items():
                 s = f"{lr:g}: {m:.3f} ± {sd:.3f}" if math.isfinite(m) else f"{lr:g}: —"
                 cols.append(f"**{s}**" if lr == best else s)
-            sens = max(fin.values()) - min(fin.values())
             lines.append(f"| {fam} | {mm} | {'; '.join(cols)} | {best:g} | {sens:.3f} |")
     chosen = best_rates(grid, cells, rates)
     subject = chosen.get("p3o")

@@ -98,3 +98,47 @@ def mixed(cells: List[dict]) -> List[str]:
             parts = [f"{v} ({len(ids)} cells, e.g. {ids[0]})" for v, ids in sorted(values.items())]
             out.append(f"cells come from {len(values)} {what}: " + "; ".join(parts))
     return out
+
+
+GRID_RUNS = "grid_runs.jsonl"  # in the grid's work directory, copied next to its report
+
+
+def log_grid_run(grid, wall_s: float, workers: int, cells_run: int) -> None:
+    """Append one ``--workers`` invocation of ``grid`` (its wall-clock time, the cells it
+    finished, where it ran) to ``<work>/grid_runs.jsonl``: a grid that resumed over several
+    invocations sums them, and the report states the total as the grid's measured wall time."""
+    import json
+    import time
+
+    line = {
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "wall_s": round(wall_s, 1),
+        "workers": workers,
+        "cells_run": cells_run,
+        "commit": code_commit(),
+        "cpu_isa": cpu_isa(),
+    }
+    with open(Path(grid.work) / GRID_RUNS, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def grid_runs(*dirs: str | Path) -> List[dict]:
+    """The logged invocations from the first of ``dirs`` that has a log (work, then out)."""
+    import json
+
+    for d in dirs:
+        f = Path(d) / GRID_RUNS
+        if f.is_file():
+            return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    return []
+
+
+def wall_text(runs: List[dict]) -> str:
+    """ "34.5 min with 2 workers (AVX2)": the grid's measured wall time, "" when none is logged."""
+    if not runs:
+        return ""
+    total = sum(r["wall_s"] for r in runs) / 60
+    workers = sorted({r["workers"] for r in runs})
+    isas = sorted({r["cpu_isa"] for r in runs})
+    parts = f"{total:.1f} min with {'/'.join(map(str, workers))} workers ({', '.join(isas)})"
+    return parts + (f" over {len(runs)} invocations" if len(runs) > 1 else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
@@ -15,7 +16,7 @@ from .grid import GridConfig
 from .long_run import long_run_section, plot_eval_curves
 from .lr_sweep import lr_section
 from .mechanisms import mechanisms_section
-from .provenance import mixed
+from .provenance import GRID_RUNS, grid_runs, mixed, wall_text
 from .stats import adjust, best_baseline_bootstrap, mean_sd, seed_paired, seed_scores
 
 STEP_KEYS = (
@@ -266,11 +267,10 @@ def _spread(scores: Dict[int, float]) -> str:
     return f"{m:.3f} ± {sd:.3f} (n={len(xs)})"
 
 
-def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]:
-    """The seed-level table: per setting, P3O − each pre-registered comparator (and each P3O
-    ablation − P3O) as paired per-seed differences of final accuracy, with the 95% t-interval,
-    the t-test p, its Holm adjustment over every test of the report, and the exact sign-flip p;
-    a call only where the corrected test rejects. Also the sentences computed from it."""
+def headline_tests(grid: GridConfig, cells: List[dict]):
+    """``[(setting, comparison, first's seed scores, second's, SeedTest or None)]``: per setting,
+    P3O − each pre-registered comparator and each P3O ablation − P3O, paired by seed, Holm-adjusted
+    over all of them (the report's headline family)."""
     p3o, ablations, baselines = _subject(grid)
     comps = _comparators(grid, baselines)
     rows, tests = [], []
@@ -283,14 +283,23 @@ def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]
             theirs = seed_scores(cells, a, mm)
             rows.append((mm, f"{a} − P3O", theirs, mine))
             tests.append(seed_paired(theirs, mine, a))
-    tests = adjust(tests)
+    return [(*r, t) for r, t in zip(rows, adjust(tests))]
+
+
+def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]:
+    """The seed-level table: per setting, P3O − each pre-registered comparator (and each P3O
+    ablation − P3O) as paired per-seed differences of final accuracy, with the 95% t-interval,
+    the t-test p, its Holm adjustment over every test of the report, and the exact sign-flip p;
+    a call only where the corrected test rejects. Also the sentences computed from it."""
+    p3o, _, baselines = _subject(grid)
+    tested = headline_tests(grid, cells)
     lines = [
         "| setting | comparison | first | second | per-seed differences | mean Δ [95% t-CI] | "
         "p (t) | p Holm | p sign-flip | call |",
         "|---" * 10 + "|",
     ]
     said: Dict[str, List[str]] = defaultdict(list)
-    for (mm, what, first, second), t in zip(rows, tests):
+    for mm, what, first, second, t in tested:
         if t is None:
             lines.append(f"| {mm} | {what} | {_spread(first)} | {_spread(second)} |" + " — |" * 6)
             continue
@@ -302,7 +311,7 @@ def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]
             f"{t.p_perm:.3g} | **{call}** |"
         )
         said[call].append(f"{mm}: {what} {t.mean:+.3f} (Holm p {t.p_adj:.2g})")
-    n_tests = sum(t is not None for t in tests)
+    n_tests = sum(t is not None for *_, t in tested)
     text = [
         f"- {n_tests} paired seed-level tests; calls need the Holm-adjusted t-test p < 0.05 over "
         "all of them and the exact sign-flip p < 0.05 (its floor is 2/2^seeds)."
@@ -509,6 +518,10 @@ def write_report(
         plots += [extra] if extra is not None else []
     ok = [c for c in cells if c["status"] == "ok"]
     n_steps = max((c["steps"] for c in ok), default=0)
+    runs = grid_runs(grid.work, out)
+    if runs and Path(grid.work, GRID_RUNS).is_file():  # the measured wall time goes with the CSV
+        shutil.copyfile(Path(grid.work, GRID_RUNS), out / GRID_RUNS)
+    wall = wall_text(runs)
     md = [
         f"# Stress report: {grid.name}",
         "",
@@ -516,7 +529,8 @@ def write_report(
         f"({len(grid.objectives)} objectives × {len(grid.mismatch)} mismatch settings × "
         f"{len(grid.seeds)} seeds), {n_steps} steps each, base recipe `{grid.base}`, "
         f"cell time summed {wall_s / 60:.1f} min "
-        "(each cell counts its own run; with `--workers N` the grid takes about 1/N of it).",
+        "(each cell counts its own run; with `--workers N` the grid takes about 1/N of it)"
+        + (f"; measured wall time {wall} (`{GRID_RUNS}`)." if wall else "."),
         "",
         "Mismatch settings (overrides on the base recipe):",
         "",

@@ -193,3 +193,32 @@ def test_grid_errors_name_the_key(tmp_path, monkeypatch):
     )
     with pytest.raises(ConfigError, match="famly"):
         load_grid(g)
+
+
+def test_sglang_cells_get_their_own_ports_unless_pinned(tmp_path, monkeypatch):
+    """Two single-process cells run side by side (--workers 2): each launches its own server and
+    weight-update rendezvous, so their ports must differ; ports a grid pins are kept, and a
+    multi-rank cell keeps the recipe's (every rank must agree on them)."""
+    from megatron_p3o.stress.grid import cell_config, cells, load_grid
+
+    monkeypatch.chdir(ROOT)
+    g = tmp_path / "g.yaml"
+    sg = "rollout.engine: sglang, rollout.sglang.model_path: runs/tiny_base/hf"
+    g.write_text(
+        "base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o}}\n"
+        f"mismatch: {{a: {{set: {{{sg}}}}}, b: {{set: {{{sg}, rollout.sglang.port: 31234}}}}}}\n"
+        "seeds: [1, 2]\n"
+    )
+    grid = load_grid(g)
+    a1, a2, b1, _ = cells(grid)
+    c1, c2 = cell_config(grid, a1), cell_config(grid, a2)
+    default = cell_config(grid, a1, world_size=2).rollout
+    ports = {c1.rollout.sglang.port, c2.rollout.sglang.port, default.sglang.port}
+    assert len(ports) == 3
+    assert c1.rollout.weight_sync_port != c2.rollout.weight_sync_port
+    assert default.weight_sync_port not in (
+        c1.rollout.weight_sync_port,
+        c2.rollout.weight_sync_port,
+    )
+    pinned = cell_config(grid, b1).rollout
+    assert pinned.sglang.port == 31234 and pinned.weight_sync_port != default.weight_sync_port

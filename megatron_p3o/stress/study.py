@@ -1,0 +1,248 @@
+"""A stress study's summary across its grids, from their committed CSVs.
+
+``python -m megatron_p3o.stress.study GRID.yaml [GRID.yaml ...] --out docs/stress_v3.md``
+
+Each grid keeps its own report (its Holm family, its plots). A study is several grids — a
+learning-rate sweep, dose axes, long runs, real engines — and a reader needs their results side
+by side: the design and the measured wall time of every grid, each objective's break point on
+every axis, every corrected call of P3O against its pre-registered comparators, and each
+objective's learning-rate sensitivity. This module reads only ``<out>/cells.csv`` (and
+``<out>/grid_runs.jsonl``) of each grid, so the summary is rebuilt from a fresh clone without
+running anything; the tests (Holm within each grid, break points, sensitivities) are those of the
+grids' own reports (:mod:`.report`, :mod:`.dose`, :mod:`.lr_sweep`), not a re-implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Dict, List
+
+from .provenance import grid_runs, mixed, wall_text
+
+if TYPE_CHECKING:
+    from .grid import GridConfig
+# the rest of .stress imports megatron-core (through the config): imported where used, after
+# the CLI has silenced its known import-time warnings
+
+_INT = ("seed", "steps", "opt_steps")
+
+
+def _value(k: str, v: str):
+    if k in _INT:
+        return int(float(v))
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+def read_cells(path: str | Path) -> List[dict]:
+    """A report's ``cells.csv`` as the cell summaries it was written from (numbers parsed)."""
+    with open(path, newline="") as f:
+        return [{k: _value(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _lrs(grid: GridConfig) -> str:
+    from .report import _base_lr
+
+    rates = {
+        float(spec.set.get("optim.lr", grid.set.get("optim.lr", _base_lr(grid) or math.nan)))
+        for spec in grid.objectives.values()
+    }
+    return ", ".join(f"{r:g}" for r in sorted(rates))
+
+
+def design_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
+    lines = [
+        "| grid | cells (ok) | objectives | settings | seeds | steps | lr | cell-min | "
+        "wall (measured) | provenance |",
+        "|---" * 10 + "|",
+    ]
+    for g in grids:
+        cs = cells[g.name]
+        ok = [c for c in cs if c["status"] == "ok"]
+        steps = max((c["steps"] for c in ok), default=0)
+        cell_min = sum(c["wall_s"] for c in cs) / 60
+        wall = wall_text(grid_runs(g.out)) or "not logged"
+        prov = "; ".join(mixed(cs)) or (
+            f"one commit `{cs[0].get('commit', '?')[:8]}`, base `{cs[0].get('base_hash', '?')}`, "
+            f"{cs[0].get('cpu_isa', '?')}"
+            if cs
+            else "no cells"
+        )
+        lines.append(
+            f"| [{g.name}]({Path(g.out).name}/report.md) | {len(cs)} ({len(ok)}) | "
+            f"{', '.join(g.objectives)} | {', '.join(g.mismatch)} | {len(g.seeds)} | {steps} | "
+            f"{_lrs(g)} | {cell_min:.1f} | {wall} | {prov} |"
+        )
+    return lines
+
+
+def break_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
+    """objective × (grid, axis): the break level, or "none (worst Δ)" when no level broke it."""
+    from .dose import axes, break_points
+    from .lr_sweep import learning_rates
+    from .report import _base_lr
+
+    cols, table = [], {}
+    for g in grids:
+        ax = axes(g)
+        if not ax or learning_rates(g, _base_lr(g)):  # a rate sweep: its labels are rates
+            continue
+        rows, points = break_points(g, cells[g.name])
+        for fam in ax:
+            cols.append((g.name, fam))
+            for obj in g.objectives:
+                tests = [t for f, o, _, t in rows if f == fam and o == obj and t is not None]
+                bp = points.get((fam, obj))
+                if bp:
+                    t = next(t for f, o, m, t in rows if (f, o, m) == (fam, obj, bp))
+                    table[(obj, g.name, fam)] = f"**{g.mismatch[bp].level:g}** ({t.mean:+.2f})"
+                elif tests:
+                    worst = min(t.mean for t in tests)
+                    table[(obj, g.name, fam)] = f"none ({worst:+.2f})"
+    if not cols:
+        return []
+    objs = list(dict.fromkeys(o for o, _, _ in table))
+    lines = [
+        "| objective | " + " | ".join(f"{fam} ({name})" for name, fam in cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
+    for o in objs:
+        lines.append(f"| {o} | " + " | ".join(table.get((o, n, f), "—") for n, f in cols) + " |")
+    return lines
+
+
+def call_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
+    """Every win or loss of the grids' headline tables (Holm within each grid), and the ties
+    counted."""
+    from .report import headline_tests
+
+    lines = [
+        "| grid | setting | comparison | mean Δ [95% t-CI] | p Holm | call |",
+        "|---" * 6 + "|",
+    ]
+    ties = 0
+    for g in grids:
+        for mm, what, _, _, t in headline_tests(g, cells[g.name]):
+            if t is None:
+                continue
+            if t.call() == "tie":
+                ties += 1
+                continue
+            lines.append(
+                f"| {g.name} | {mm} | {what} | {t.mean:+.3f} [{t.lo:+.3f}, {t.hi:+.3f}] | "
+                f"{t.p_adj:.2g} | **{t.call()}** |"
+            )
+    return lines + ["", f"All other {ties} paired tests of these grids: **tie**."]
+
+
+def lr_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
+    from .grid import control_setting
+    from .lr_sweep import best_rates, learning_rates, sensitivity
+    from .report import _base_lr
+
+    lines = []
+    for g in grids:
+        rates = learning_rates(g, _base_lr(g))
+        if not rates:
+            continue
+        chosen = best_rates(g, cells[g.name], rates)
+        lines += [
+            f"**{g.name}** (best rate chosen on `{control_setting(g)}`; sensitivity = range of "
+            "the seed means over the rates)",
+            "",
+            "| objective | best lr | "
+            + " | ".join(f"sensitivity on {m}" for m in g.mismatch)
+            + " |",
+            "|---" * (len(g.mismatch) + 2) + "|",
+        ]
+        for fam, by_lr in rates.items():
+            sens = [sensitivity(cells[g.name], by_lr, m) for m in g.mismatch]
+            best = chosen.get(fam)
+            best_lr = next((lr for lr, lab in by_lr.items() if lab == best), math.nan)
+            lines.append(
+                f"| {fam} | {best_lr:g} | "
+                + " | ".join(f"{s[1]:.3f}" if s else "—" for s in sens)
+                + " |"
+            )
+        lines.append("")
+    return lines
+
+
+def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
+    from .grid import load_grid
+
+    grids = [load_grid(p) for p in grid_paths]
+    cells = {}
+    for g in grids:
+        f = Path(g.out) / "cells.csv"
+        if not f.is_file():
+            from ..config import ConfigError
+
+            raise ConfigError(f"{f}: no report of grid {g.name} yet (run it, or --report-only)")
+        cells[g.name] = read_cells(f)
+    md = [
+        f"# {title}",
+        "",
+        "Built by `python -m megatron_p3o.stress.study "
+        + " ".join(grid_paths)
+        + f" --out {out}` from each grid's committed `cells.csv`; every test is its grid's own "
+        "(seed-paired, Holm-adjusted over that grid's report).",
+        "",
+        "## Design and cost",
+        "",
+    ]
+    md += design_rows(grids, cells)
+    logged = [g for g in grids if grid_runs(g.out)]
+    total = sum(r["wall_s"] for g in logged for r in grid_runs(g.out)) / 60
+    md += [
+        "",
+        f"Measured wall time of the {len(logged)} grids with a log: {total:.1f} min in all"
+        + (
+            f"; not logged: {', '.join(g.name for g in grids if g not in logged)}."
+            if len(logged) < len(grids)
+            else "."
+        ),
+        "",
+    ]
+    br = break_rows(grids, cells)
+    if br:
+        md += [
+            "## Break points",
+            "",
+            "The first level (nearest the control first) whose seed-paired difference to the "
+            "objective's own control is a Holm-corrected loss; in brackets that level's mean Δ, "
+            "or the worst level's Δ when none broke it. Learning-rate grids are left out (their "
+            "objectives are rates: see their reports).",
+            "",
+            *br,
+            "",
+        ]
+    md += ["## Corrected calls: P3O against the pre-registered comparators", ""]
+    md += call_rows(grids, cells) + [""]
+    lr = lr_rows(grids, cells)
+    if lr:
+        md += ["## Learning-rate sensitivity", "", *lr]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(md))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("grids", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default="Stress study summary")
+    a = ap.parse_args(argv)
+    print(write_study(a.grids, Path(a.out), a.title))
+    return 0
+
+
+if __name__ == "__main__":
+    from megatron_p3o.errors import run_cli
+
+    run_cli(main, "megatron_p3o.stress.study")
