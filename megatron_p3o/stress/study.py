@@ -140,6 +140,35 @@ def call_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str
     return lines + ["", f"All other {ties} paired tests of these grids: **tie**."]
 
 
+def power_rows(
+    grids: List[GridConfig], cells: Dict[str, List[dict]], delta: float = 0.05
+) -> List[str]:
+    """Per grid: the median seed s.d. of its headline paired differences, the power its seed
+    count has for a true difference of ``delta`` — at α = 0.05 and at α = 0.05/m (the first Holm
+    step over its m tests, a lower bound of the corrected power) — and the seeds 80% needs."""
+    from .report import headline_tests
+    from .stats import power_paired, seeds_for_power
+
+    lines = [
+        f"| grid | seeds | tests m | median paired s.d. | power for Δ = {delta:g} at α 0.05 | "
+        "at α 0.05/m | seeds for 80% at α 0.05 | at α 0.05/m |",
+        "|---" * 8 + "|",
+    ]
+    for g in grids:
+        tests = [t for *_, t in headline_tests(g, cells[g.name]) if t is not None]
+        if not tests:
+            continue
+        sds = sorted(t.sd for t in tests)
+        sd = sds[len(sds) // 2]
+        n, m = len(g.seeds), len(tests)
+        lines.append(
+            f"| {g.name} | {n} | {m} | {sd:.3f} | {power_paired(delta, sd, n):.2f} | "
+            f"{power_paired(delta, sd, n, 0.05 / m):.2f} | {seeds_for_power(delta, sd)} | "
+            f"{seeds_for_power(delta, sd, alpha=0.05 / m)} |"
+        )
+    return lines
+
+
 def lr_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     from .grid import control_setting
     from .lr_sweep import best_rates, learning_rates, sensitivity
@@ -222,6 +251,16 @@ def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
             *br,
             "",
         ]
+    md += [
+        "## Power",
+        "",
+        "What each grid's seeds can see: the seed s.d. of the paired differences (median "
+        "over each grid's headline tests) and the paired t-test's power for a true difference "
+        "of 0.05 (simulated).",
+        "",
+        *power_rows(grids, cells),
+        "",
+    ]
     md += ["## Corrected calls: P3O against the pre-registered comparators", ""]
     md += call_rows(grids, cells) + [""]
     lr = lr_rows(grids, cells)

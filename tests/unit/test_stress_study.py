@@ -2,6 +2,7 @@
 planted differences, and the measured wall-time log (stress/provenance.py)."""
 
 import math
+import statistics
 from pathlib import Path
 
 from megatron_p3o.stress.grid import load_grid
@@ -96,6 +97,9 @@ def test_study_summary_from_committed_csvs(tmp_path, monkeypatch):
     for c in calls:
         assert math.isclose(float(c.split(" | ")[3].split()[0]), 0.40 - 0.70, abs_tol=1e-3), c
     assert "All other 4 paired tests of these grids: **tie**." in md
+    # power: 4 of the 6 headline tests have the jitter's s.d., 2 (bf16) have none: median = jitter
+    sd = statistics.stdev(JITTER.values())
+    assert f"| dose | 8 | 6 | {sd:.3f} | 1.00 | 1.00 | 2 |" in md
 
 
 def test_a_grid_without_a_report_is_named(tmp_path, monkeypatch):
