@@ -19,14 +19,16 @@ from .stats import mean_sd
 
 
 def _curve_keys(cells: List[dict]) -> List[str]:
-    """The eval-set metrics on the curves: each set's greedy accuracy, mean pass@1 and pass@k."""
+    """The eval-set metrics on the curves: each set's greedy accuracy, mean pass@1 (unless
+    pass@1 is among its k) and pass@k."""
     keys: Dict[str, None] = {}
     for c in cells:
         for point in c.get("eval_curve") or []:
             for k in point:
                 if k.startswith("eval/") and not k.endswith("/prompts"):
                     keys.setdefault(k)
-    return list(keys)
+    # the mean pass@1 equals the unbiased pass@1 estimate: shown once when both are there
+    return [k for k in keys if not (k.endswith("/pass@1_mean") and k[:-5] in keys)]
 
 
 def _by_step(cells: List[dict], key: str) -> Tuple[List[int], List[float], List[float]]:

@@ -85,3 +85,12 @@ def test_long_run_curve_columns_and_table():
     # pass@1 mean 0.7 ± 0.141 (0.6, 0.8); pass@4 0.9 ± 0.141; entropy; no KL / length recorded
     assert cols[2:] == ["0.700 ± 0.141", "0.900 ± 0.141", "0.200 ± 0.000", "—", "—"]
     assert long_run_section(_grid(), [_cell("p3o", "bf16", 1)]) == []
+
+
+def test_mean_pass1_is_shown_once_when_pass1_is_a_k():
+    from megatron_p3o.stress.long_run import _curve_keys
+
+    point = {"step": 0, "eval/h/pass@1_mean": 0.3, "eval/h/pass@1": 0.3, "eval/h/pass@4": 0.6}
+    assert _curve_keys([{"eval_curve": [point]}]) == ["eval/h/pass@1", "eval/h/pass@4"]
+    del point["eval/h/pass@1"]  # k without 1: the mean pass@1 is the only pass@1 there is
+    assert _curve_keys([{"eval_curve": [point]}]) == ["eval/h/pass@1_mean", "eval/h/pass@4"]
