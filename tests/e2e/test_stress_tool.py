@@ -63,6 +63,12 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
         "tis__noise__s1",
     ]
     assert all(x["status"] == "ok" and x["steps"] == "2" for x in rows)
+    # the invocation's wall time is logged, copied next to the report and stated in it
+    logged = [
+        json.loads(x) for x in (tmp_path / "out" / "grid_runs.jsonl").read_text().splitlines()
+    ]
+    assert len(logged) == 1 and logged[0]["cells_run"] == 4 and logged[0]["workers"] == 2
+    assert "measured wall time" in (tmp_path / "out" / "report.md").read_text()
     noisy = {x["objective"]: x for x in rows if x["mismatch"] == "noise"}
     clean = {x["objective"]: x for x in rows if x["mismatch"] == "bf16"}
     for o in noisy:  # engine logit noise: a measured mismatch far above bf16's, lower e_B
