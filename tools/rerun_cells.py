@@ -80,7 +80,10 @@ def main(argv=None) -> int:
         cell, want = by_id[cid], committed[cid]
         cfg = cell_config(grid, cell, 1)
         got = run_cell(grid, cell, cfg, 0, provenance=provenance(a.grid, cfg.model.checkpoint))
-        cols = [k for k in want if k not in SKIP and k in got]
+        # an empty field: a column the committed cell's code did not record yet (the CSV is
+        # the union of every cell's columns), not a difference
+        cols = [k for k in want if k not in SKIP and k in got and want[k] != ""]
+        unrecorded = [k for k in want if k not in SKIP and k in got and want[k] == ""]
         diff = [k for k in cols if not _same(want[k], got[k])]
         # the rerun's own provenance (in its summary) against the committed row's
         same_base = want.get("base_hash") == got["base_hash"]
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
             f"  (base {'same' if same_base else 'DIFFERENT'}, ISA {want.get('cpu_isa')}"
             f" vs {got['cpu_isa']})"
         )
+        if unrecorded:
+            print(f"    not recorded by the committed cell: {', '.join(unrecorded)}")
         for k in diff[:8]:
             print(f"    {k}: committed {want[k]}  rerun {got[k]}")
         if diff and not (same_base and same_isa):
