@@ -18,16 +18,18 @@ from typing import Dict, List
 _ROOT = Path(__file__).resolve().parents[2]
 
 
-def code_commit() -> str:
-    """``git rev-parse HEAD`` of this checkout, ``+dirty`` when tracked files differ; "unknown"
-    outside a git checkout (an installed package)."""
+def code_commit(root: str | Path = _ROOT) -> str:
+    """``git rev-parse HEAD`` of this checkout, ``+dirty`` when tracked files outside ``docs/``
+    differ; "unknown" outside a git checkout (an installed package). ``docs/`` is left out: the
+    grids write their reports there, and a regenerated report is not a change of the code."""
     try:
         head = subprocess.run(
-            ["git", "-C", str(_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
             timeout=30, check=True,
         ).stdout.strip()  # fmt: skip
         dirty = subprocess.run(
-            ["git", "-C", str(_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":(exclude)docs"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):

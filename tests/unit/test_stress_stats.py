@@ -207,3 +207,25 @@ def test_provenance_names_what_differs(tmp_path):
     isa = same + [{"cell": "c8", "commit": "a", "base_hash": "b", "grid_hash": "g", "cpu_isa": "X"}]
     (msg,) = mixed([{**c, "cpu_isa": "AVX2"} for c in same] + isa[-1:])
     assert "2 CPU instruction sets" in msg and "c8" in msg
+
+
+def test_a_regenerated_report_does_not_make_the_code_dirty(tmp_path):
+    import subprocess
+
+    from megatron_p3o.stress.provenance import code_commit
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "report.md").write_text("a")
+    (tmp_path / "loss.py").write_text("a")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    clean = code_commit(tmp_path)
+    assert len(clean) == 40
+    (tmp_path / "docs" / "report.md").write_text("b")  # a grid rewrote its report
+    assert code_commit(tmp_path) == clean
+    (tmp_path / "loss.py").write_text("b")  # the code changed
+    assert code_commit(tmp_path) == clean + "+dirty"
