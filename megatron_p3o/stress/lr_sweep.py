@@ -28,6 +28,12 @@ def family(label: str) -> str:
     return label.split("@", 1)[0]
 
 
+def label_rate(grid: GridConfig, label: str, base_lr: Optional[float] = None):
+    """The learning rate of an objective label's cells: its own ``set: {optim.lr: …}``, else the
+    grid's ``set``, else ``base_lr`` (the base recipe's; None when unknown)."""
+    return grid.objectives[label].set.get("optim.lr", grid.set.get("optim.lr", base_lr))
+
+
 def learning_rates(
     grid: GridConfig, base_lr: Optional[float] = None
 ) -> Dict[str, Dict[float, str]]:
@@ -36,8 +42,8 @@ def learning_rates(
     A label's rate is its own ``set: {optim.lr: …}``, else the grid's ``set``, else ``base_lr``
     (the base recipe's); labels with no known rate are left out."""
     fams: Dict[str, Dict[float, str]] = {}
-    for label, spec in grid.objectives.items():
-        lr = spec.set.get("optim.lr", grid.set.get("optim.lr", base_lr))
+    for label in grid.objectives:
+        lr = label_rate(grid, label, base_lr)
         if lr is None:
             continue
         fams.setdefault(family(label), {})[float(lr)] = label

@@ -46,12 +46,11 @@ def read_cells(path: str | Path) -> List[dict]:
 
 
 def _lrs(grid: GridConfig) -> str:
+    from .lr_sweep import label_rate
     from .report import _base_lr
 
-    rates = {
-        float(spec.set.get("optim.lr", grid.set.get("optim.lr", _base_lr(grid) or math.nan)))
-        for spec in grid.objectives.values()
-    }
+    base = _base_lr(grid)
+    rates = {float(label_rate(grid, k, base) or math.nan) for k in grid.objectives}
     return ", ".join(f"{r:g}" for r in sorted(rates))
 
 
@@ -226,8 +225,9 @@ def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
         "",
     ]
     md += design_rows(grids, cells)
-    logged = [g for g in grids if grid_runs(g.out)]
-    total = sum(r["wall_s"] for g in logged for r in grid_runs(g.out)) / 60
+    runs = {g.name: grid_runs(g.out) for g in grids}
+    logged = [g for g in grids if runs[g.name]]
+    total = sum(r["wall_s"] for g in logged for r in runs[g.name]) / 60
     md += [
         "",
         f"Measured wall time of the {len(logged)} grids with a log: {total:.1f} min in all"
