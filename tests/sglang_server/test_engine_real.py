@@ -1,6 +1,6 @@
 """The SGLang client against one real SGLang 0.5.23 server on CPU, launched through the
 trainer's launch path (``build_fleet`` → ``SGLangEngine.launch``): every weight-sync transport,
-per-token weight versions across a push mid-generation, and the API key.
+per-token weight versions across a push mid-generation, batched requests, and the API key.
 
 The server serves fp32, so its greedy decode equals the trainer's own (the embedded engine at
 fp32 over the same weights: transformers' forward, not this project's). The served model is the
@@ -174,6 +174,40 @@ def test_a_push_mid_generation_labels_tokens_per_version(served, mode, tmp_path)
         assert torch.allclose(lb[:cut], old[:cut], atol=1e-4), (lb[:cut] - old[:cut]).abs().max()
         assert torch.allclose(lb[cut:], new[cut:], atol=1e-4), (lb[cut:] - new[cut:]).abs().max()
         assert (old[cut:] - new[cut:]).abs().max() > 1e-2  # the two policies differ there
+
+
+def test_batched_requests_answer_each_completion_in_its_place(served):
+    """``request_batch`` > 1 (one ``/generate`` carrying several completions, SGLang's batch
+    form; chunks of 7 straddle prompt groups and the last one is short): the greedy decodes equal
+    the trainer's own, prompt by prompt, and sampled completions come back in their groups with
+    ℓb equal to transformers' fp32 teacher-forced log-probs under the pushed weights. (Not the
+    same samples as one request each: SGLang honours ``sampling_seed`` only under deterministic
+    inference, which it refuses on CPU.)"""
+    fleet, _, base_w, cfg, _ = served
+    named = _perturbed(base_w, 21)
+    fleet.transport = "tensor"
+    fleet.update_weights(iter([named]), 21)
+    engine = fleet.router
+    assert engine.request_batch == 1  # the default: one request per completion
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=(2,), seed=3)
+    try:
+        engine.request_batch = 7
+        greedy = fleet.generate(PROMPTS, 1, GREEDY)
+        sampled = fleet.generate(PROMPTS, 4, sampling)
+    finally:
+        engine.request_batch = 1
+    want = _trainer_greedy(cfg, named, 21)
+    assert len(set(map(tuple, want))) > 1  # the prompts decode differently: order is visible
+    assert [s.completion_ids for s in greedy] == want
+    groups = [g for g in range(len(PROMPTS)) for _ in range(4)]
+    assert [s.group_id for s in sampled] == groups
+    assert [s.prompt_ids for s in sampled] == [PROMPTS[g] for g in groups]
+    assert len({tuple(s.completion_ids) for s in sampled}) > len(PROMPTS)  # really sampled
+    assert {s.weight_version for s in greedy + sampled} == {21}
+    for s in sampled:
+        lb = torch.tensor(s.logprobs, dtype=torch.float64)
+        ref = _hf_logprobs(cfg, named, s.prompt_ids, s.completion_ids)
+        assert torch.allclose(lb, ref, atol=1e-4), (lb - ref).abs().max()
 
 
 def test_the_api_key_is_enforced_and_never_logged(served):

@@ -19,6 +19,7 @@ from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
 from megatron_p3o.rollout.sglang.launch import server_env
 from megatron_p3o.rollout.sglang.protocol import (
     EngineResponseError,
+    batch_payload,
     disk_payload,
     distributed_payload,
     generate_payload,
@@ -93,6 +94,7 @@ def _client_requests():
     return [
         ("/generate", generate_payload([1, 2, 3], sp, seed=11)),
         ("/generate", generate_payload([1, 2, 3], sp, seed=11, routed_experts=True)),
+        ("/generate", batch_payload([generate_payload([1, 2], sp, seed=s) for s in (1, 2)])),
         ("/init_weights_update_group", init_group_payload("h", 29650, 3, "g", "gloo")),
         ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=False)),
         ("/update_weights_from_distributed", distributed_payload(BUCKET, "g", 4, last=True)),
@@ -117,13 +119,28 @@ def test_every_route_and_field_exists_in_the_pinned_release(release):
         assert "POST" in methods, (path, methods)
         if path == "/generate":
             req = "GenerateReqInput"
-            extra = set(body["sampling_params"]) - classes["SamplingParams"]
+            sps = body["sampling_params"]
+            extra = set().union(*(sps if isinstance(sps, list) else [sps]))
+            extra -= classes["SamplingParams"]
             assert not extra, f"sampling_params fields unknown to sglang {PINNED}: {extra}"
         assert req is not None, f"{path}: no request class found"
         unknown = set(body) - classes[req]
         assert not unknown, f"{path}: fields {unknown} are not in {req} of sglang {PINNED}"
     pause = classes["PauseGenerationReqInput.literals"]["mode"]
     assert "'retract'" in pause, pause  # in-flight requests wait; 'abort' would drop them
+
+
+def test_a_batched_generate_body_lists_prompts_and_sampling_in_order():
+    sp = SamplingParams(temperature=0.9, max_new_tokens=7, seed=3)
+    bodies = [generate_payload([1, 2 + i], sp, seed=10 + i) for i in range(3)]
+    b = batch_payload(bodies)
+    assert b["input_ids"] == [[1, 2], [1, 3], [1, 4]]
+    assert [x["sampling_seed"] for x in b["sampling_params"]] == [10, 11, 12]
+    assert b["return_logprob"] is True and b["logprob_start_len"] == -1
+    with pytest.raises(ValueError, match="differ"):
+        batch_payload([bodies[0], generate_payload([1], sp, seed=1, routed_experts=True)])
+    with pytest.raises(ValueError, match="no requests"):
+        batch_payload([])
 
 
 def test_launch_environment_has_no_torchrun_variables():

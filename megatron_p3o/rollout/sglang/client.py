@@ -40,6 +40,7 @@ from .launch import (
 from .protocol import (
     EngineResponseError,
     EngineUnavailableError,
+    batch_payload,
     disk_payload,
     generate_payload,
     init_group_payload,
@@ -60,6 +61,11 @@ class ClientSettings:
         request_timeout_s: per HTTP request.
         max_concurrency: concurrent /generate requests per server (a router gets this many
             times its servers).
+        request_batch: completions per /generate request (SGLang's batch form: lists of
+            ``input_ids`` and ``sampling_params``, answered in order). 1 sends one request per
+            completion, as a router balancing requests across servers expects; more cuts the
+            HTTP and scheduling cost per completion when completions are short
+            (``benchmarks/bench_sglang_requests.py``).
         max_retries: retries of one request after a connection failure.
         max_restarts: relaunches of a launched server that died (then a clear error).
     """
@@ -67,6 +73,7 @@ class ClientSettings:
     url: Optional[str] = None
     request_timeout_s: float = 600.0
     max_concurrency: int = 256
+    request_batch: int = 1
     max_retries: int = 3
     max_restarts: int = 2
 
@@ -84,6 +91,7 @@ class SGLangEngine(RolloutEngine):
         self.server: Optional[ServerProcess] = None  # launched by this engine
         self.process: Optional[ServerProcess] = None  # whose liveness wait_healthy watches
         self.concurrency = cfg.max_concurrency
+        self.request_batch = cfg.request_batch
         self.restarts = 0
         self.weight_version = 0
         self._group = None  # the weight-update group this server joined (its name)
@@ -264,22 +272,38 @@ class SGLangEngine(RolloutEngine):
         from rich.progress import Progress
 
         shape = self.cfg.routed_experts
+        per = max(1, int(self.request_batch))
+        chunks = [jobs[i : i + per] for i in range(0, len(jobs), per)]
 
-        def one(job):
-            g, p, seed = job
-            body = generate_payload(p, sampling, seed, routed_experts=shape is not None)
-            resp = self._post_with_recovery("/generate", body)
-            return parse_generate_response(resp, p, g, routed_experts=shape)
+        def one(chunk):
+            bodies = [
+                generate_payload(p, sampling, seed, routed_experts=shape is not None)
+                for _, p, seed in chunk
+            ]
+            if len(chunk) == 1:
+                resps = [self._post_with_recovery("/generate", bodies[0])]
+            else:
+                resps = self._post_with_recovery("/generate", batch_payload(bodies))
+                if not isinstance(resps, list) or len(resps) != len(chunk):
+                    raise EngineResponseError(
+                        f"SGLang {self.label}: a batch of {len(chunk)} /generate requests got "
+                        f"{len(resps) if isinstance(resps, list) else type(resps).__name__} "
+                        "answers"
+                    )
+            return [
+                parse_generate_response(r, p, g, routed_experts=shape)
+                for r, (g, p, _) in zip(resps, chunk)
+            ]
 
         out: List[Sample] = []
         with (
-            ThreadPoolExecutor(max(1, min(self.concurrency, len(jobs)))) as pool,
+            ThreadPoolExecutor(max(1, min(self.concurrency, len(chunks)))) as pool,
             Progress(transient=True, disable=not sys.stderr.isatty()) as bar,
         ):
             task = bar.add_task(f"rollout (sglang {self.label})", total=len(jobs))
-            for s in pool.map(one, jobs):
-                out.append(s)
-                bar.advance(task)
+            for samples in pool.map(one, chunks):
+                out.extend(samples)
+                bar.advance(task, len(samples))
         return out
 
     # -- weights ------------------------------------------------------------------------------

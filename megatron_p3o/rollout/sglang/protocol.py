@@ -67,6 +67,24 @@ def generate_payload(
     return body
 
 
+def batch_payload(bodies: Sequence[dict]) -> dict:
+    """Several :func:`generate_payload` bodies as one ``/generate`` request (SGLang's batch form:
+    ``input_ids`` and ``sampling_params`` become lists; the answer is a list in the same order).
+    The bodies must agree on everything else (they do: one call of ``generate``)."""
+    if not bodies:
+        raise ValueError("batch_payload: no requests")
+    rest = [
+        {k: v for k, v in b.items() if k not in ("input_ids", "sampling_params")} for b in bodies
+    ]
+    if any(r != rest[0] for r in rest[1:]):
+        raise ValueError("batch_payload: the requests differ in more than prompt and sampling")
+    return {
+        "input_ids": [b["input_ids"] for b in bodies],
+        "sampling_params": [b["sampling_params"] for b in bodies],
+        **rest[0],
+    }
+
+
 def decode_routed_experts(meta: dict, n_tokens: int, shape: Tuple[int, int], rid) -> torch.Tensor:
     """``meta_info.routed_experts`` (base64 of int32) → ``[n_tokens, layers, k]`` int16."""
     import base64
