@@ -14,6 +14,8 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
     mismatch:                            # label -> family, numeric level, overrides
       bf16: {family: baseline, level: 0, set: {}}
       noise_0.5: {family: logprob_noise, level: 0.5, set: {rollout.logprob_noise: 0.5}}
+      temp_0.8: {family: engine_temperature, level: 0.8, set: {...},
+                 objectives: [p3o, grpo_eps0.2]}   # only these objectives on this setting
     seeds: [1, 2]
     comparators: [grpo_eps0.2]           # P3O is tested against these (named before the runs)
     eval_limit: 200                      # held-out prompts per evaluation (0 = all)
@@ -26,7 +28,9 @@ async K), engine logit noise (a perturbed sampling distribution with honest ℓb
 reported ℓb, engine/trainer temperature mismatch. An objective's ``set`` overrides the grid's
 ``set`` for its cells (a learning-rate sweep: ``p3o@lr1e-4``, ``p3o@lr1e-3``, … with their own
 ``optim.lr``); the part of a label before ``@`` names the objective the report groups them
-under (their learning-rate table). Every cell is validated as a full
+under (their learning-rate table). A setting's ``objectives`` runs only those labels there (a
+cheaper axis for a subset); the control setting runs every objective, since each level is
+compared with the objective's own control. Every cell is validated as a full
 ``TrainConfig`` before anything runs, so a typo fails in the first second, not after an hour.
 """
 
@@ -54,6 +58,7 @@ class MismatchSpec:
     family: str = "baseline"
     level: float = 0.0
     set: Dict[str, Any] = field(default_factory=dict)
+    objectives: List[str] = field(default_factory=list)  # labels run on this setting (empty: all)
 
 
 @dataclass(frozen=True)
@@ -124,15 +129,31 @@ def load_grid(path: str | Path) -> GridConfig:
             raise ConfigError(
                 f"grid {p}: comparators: {c!r} is not an objective label ({sorted(objectives)})"
             )
+    for k, m in mismatch.items():
+        for o in m.objectives:
+            if o not in objectives:
+                raise ConfigError(
+                    f"grid {p}: mismatch.{k}.objectives: {o!r} is not an objective label "
+                    f"({sorted(objectives)})"
+                )
+    control = control_setting(grid)
+    if mismatch[control].objectives:
+        raise ConfigError(
+            f"grid {p}: mismatch.{control}.objectives: the control setting runs every objective "
+            "(each level is compared with the objective's own control)"
+        )
     return grid
 
 
 def cells(grid: GridConfig) -> List[Cell]:
-    """Every (objective, mismatch, seed), in a stable order (objective-major)."""
+    """Every (objective, mismatch, seed) — a setting with ``objectives`` only for those — in a
+    stable order (objective-major)."""
     out = []
     for (ol, o), (ml, m), seed in itertools.product(
         grid.objectives.items(), grid.mismatch.items(), grid.seeds
     ):
+        if m.objectives and ol not in m.objectives:
+            continue
         ov = _items(grid.set) + [f"loss.objective={o.objective}"]
         ov += _items({f"loss.hyper.{k}": v for k, v in o.hyper.items()}) + _items(o.set)
         ov += _items(m.set)

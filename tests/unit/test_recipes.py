@@ -158,7 +158,8 @@ def test_stress_grid_cells_are_valid_recipes(monkeypatch):
     for g in GRIDS:
         grid = load_grid(g)
         cs = cells(grid)
-        assert len(cs) == len(grid.objectives) * len(grid.mismatch) * len(grid.seeds)
+        per_setting = [len(m.objectives) or len(grid.objectives) for m in grid.mismatch.values()]
+        assert len(cs) == sum(per_setting) * len(grid.seeds)
         assert len({c.id for c in cs}) == len(cs)
         for c in cs:
             cfg = cell_config(grid, c)
@@ -192,6 +193,25 @@ def test_grid_errors_name_the_key(tmp_path, monkeypatch):
         "mismatch: {a: {famly: b}}\n"
     )
     with pytest.raises(ConfigError, match="famly"):
+        load_grid(g)
+
+
+def test_a_setting_can_run_a_subset_of_the_objectives(tmp_path, monkeypatch):
+    from megatron_p3o.stress.grid import cells, load_grid
+
+    monkeypatch.chdir(ROOT)
+    g = tmp_path / "g.yaml"
+    head = "base: recipes/tiny_cpu.yaml\nobjectives: {x: {objective: p3o}, y: {objective: tis}}\n"
+    g.write_text(
+        head + "mismatch: {a: {family: baseline}, b: {level: 1, objectives: [y]}}\nseeds: [1, 2]\n"
+    )
+    ids = [c.id for c in cells(load_grid(g))]
+    assert ids == ["x__a__s1", "x__a__s2", "y__a__s1", "y__a__s2", "y__b__s1", "y__b__s2"]
+    g.write_text(head + "mismatch: {a: {family: baseline}, b: {objectives: [z]}}\n")
+    with pytest.raises(ConfigError, match=r"mismatch\.b\.objectives: 'z'"):
+        load_grid(g)
+    g.write_text(head + "mismatch: {a: {family: baseline, objectives: [x]}, b: {}}\n")
+    with pytest.raises(ConfigError, match=r"mismatch\.a\.objectives: the control"):
         load_grid(g)
 
 
