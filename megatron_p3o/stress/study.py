@@ -54,11 +54,27 @@ def _lrs(grid: GridConfig) -> str:
     return ", ".join(f"{r:g}" for r in sorted(rates))
 
 
+def _task(grid: GridConfig) -> str:
+    """What the cells learn: the base recipe's ``data.task``, else its reward function (the
+    addition grids' ``megatron_p3o.tasks.arithmetic:reward``), else its data file."""
+    from ..config import ConfigError, load_config
+
+    try:
+        cfg = load_config(grid.base)
+    except ConfigError:  # the base recipe moved: the cells alone cannot say
+        return "?"
+    d = cfg.data
+    if d.task:
+        return d.task
+    fn = getattr(cfg.reward, "function", None)
+    return fn.split(":")[0].rsplit(".", 1)[-1] if fn else Path(d.path or "?").name
+
+
 def design_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     lines = [
-        "| grid | cells (ok) | objectives | settings | seeds | steps | lr | cell-min | "
+        "| grid | task | cells (ok) | objectives | settings | seeds | steps | lr | cell-min | "
         "wall (measured) | provenance |",
-        "|---" * 10 + "|",
+        "|---" * 11 + "|",
     ]
     for g in grids:
         cs = cells[g.name]
@@ -73,7 +89,7 @@ def design_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[s
             else "no cells"
         )
         lines.append(
-            f"| [{g.name}]({Path(g.out).name}/report.md) | {len(cs)} ({len(ok)}) | "
+            f"| [{g.name}]({Path(g.out).name}/report.md) | {_task(g)} | {len(cs)} ({len(ok)}) | "
             f"{', '.join(g.objectives)} | {', '.join(g.mismatch)} | {len(g.seeds)} | {steps} | "
             f"{_lrs(g)} | {cell_min:.1f} | {wall} | {prov} |"
         )

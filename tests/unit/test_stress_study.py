@@ -84,7 +84,8 @@ def test_study_summary_from_committed_csvs(tmp_path, monkeypatch):
 
     md = write_study([str(path)], tmp_path / "study.md", "T").read_text()
     assert (
-        "| 72 (72) | p3o, grpo, tis | bf16, noise_0.6, noise_0.3 | 8 | 30 | 0.0001 | 72.0 |" in md
+        "| arithmetic | 72 (72) | p3o, grpo, tis | bf16, noise_0.6, noise_0.3 | 8 | 30 | 0.0001 "
+        "| 72.0 |" in md
     )
     assert "one commit `abcdef12`, base `b1`, AVX2" in md
     assert "Measured wall time of the 1 grids with a log: 3.0 min in all." in md
