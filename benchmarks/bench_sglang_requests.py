@@ -20,26 +20,25 @@ Last line: ``RESULT batch16_vs_single=… batch128_vs_single=… single_s=… em
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import random_llama  # noqa: E402
+
 
 def make_model(out: Path) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return random_llama.make_model(
+        out,
         vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
     )  # fmt: skip
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return json.loads((out / "config.json").read_text())
 
 
 def main() -> None:

@@ -20,27 +20,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import random_llama  # noqa: E402
+
 BUCKETS_MB = (16, 64, 256)
 
 
 def make_model(out: Path) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return random_llama.make_model(
+        out,
         vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
     )  # fmt: skip
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return json.loads((out / "config.json").read_text())
 
 
 def main() -> None:
