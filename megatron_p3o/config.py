@@ -287,8 +287,9 @@ class TrainConfig:
         from .rollout.sglang.weights import resolve_backend
 
         r, sg = self.rollout, self.rollout.sglang
-        if sg.servers < 1:
-            raise ConfigError(f"rollout.sglang.servers={sg.servers} must be >= 1")
+        for key in ("servers", "request_batch", "max_concurrency"):
+            if getattr(sg, key) < 1:
+                raise ConfigError(f"rollout.sglang.{key}={getattr(sg, key)} must be >= 1")
         if sg.servers > 1 and sg.url is not None:
             raise ConfigError(
                 f"rollout.sglang.servers={sg.servers} with rollout.sglang.url: an attached fleet "

@@ -142,6 +142,7 @@ def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
         (["rollout.weight_sync=colocated"], "a CPU SGLang server takes weight_sync=tensor"),
         (["rollout.sglang.sync_backend=nccl"], "NCCL refuses CPU tensors"),
         (["rollout.sglang.servers=0"], "rollout.sglang.servers=0 must be >= 1"),
+        (["rollout.sglang.request_batch=0"], "rollout.sglang.request_batch=0 must be >= 1"),
         (["rollout.sglang.servers=2", "rollout.sglang.url=http://h:1"], "rollout.sglang_workers"),
         (["rollout.sglang.quantization=fp8", "rollout.weight_sync=distributed"],
          "gloo cannot carry float8 tensors"),

@@ -272,7 +272,7 @@ class SGLangEngine(RolloutEngine):
         from rich.progress import Progress
 
         shape = self.cfg.routed_experts
-        per = max(1, int(self.request_batch))
+        per = self.request_batch  # >= 1 (TrainConfig.validate)
         chunks = [jobs[i : i + per] for i in range(0, len(jobs), per)]
 
         def one(chunk):
