@@ -35,12 +35,10 @@ import random_llama  # noqa: E402
 BUCKETS_MB = (16, 64, 256)
 
 
-def make_model(out: Path) -> dict:
-    return random_llama.make_model(
-        out,
-        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-    )  # fmt: skip
+SHAPE = dict(
+    vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+)  # fmt: skip
 
 
 def main() -> None:
@@ -64,7 +62,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     try:
         hf = work / "hf"
-        cfg = make_model(hf)
+        cfg = random_llama.make_model(hf, **SHAPE)
         named = sorted(load_file(str(hf / "model.safetensors")).items())
         mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
         print(f"model: {mb:.1f} MB fp32, {len(named)} tensors")
