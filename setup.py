@@ -42,6 +42,6 @@ setup(
         # Weights & Biases logging (off by default; tests use its offline mode)
         "wandb": ["wandb"],
         # accelerate: transformers' FP8 checkpoint loader needs it (the FP8 export's test)
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "wandb", "accelerate"],
+        "dev": ["pytest>=8", "ruff", "wandb", "accelerate"],
     },
 )

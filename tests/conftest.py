@@ -1,9 +1,7 @@
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -37,62 +35,13 @@ def pytest_runtest_teardown(item, nextitem):
         _POOLS.close()
 
 
-# Tiers by how long their files run (the longest first: xdist hands groups out in this order).
-_TIER_ORDER = ("sglang_server/", "e2e/", "distributed/")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N`` (pytest-xdist, ``--dist loadgroup --no-loadscope-reorder``;
-    tools/run_tests.sh) a test file runs whole on one worker — its rank pools, module fixtures
-    and the pool teardown above stay as in a serial run — and the real-SGLang-server tier runs
-    on one worker, one server fleet at a time (each CPU server holds GBs and a core). The
-    longest tiers are collected first, so the worker that takes the SGLang tier (≈ 15 min) does
-    not start it last. Without xdist the marks are inert; the order holds in a serial run too."""
-    here = Path(__file__).parent
-
-    def rel(item) -> str:
-        return item.path.relative_to(here).as_posix()
-
-    def tier(item) -> int:
-        r = rel(item)
-        return next((i for i, t in enumerate(_TIER_ORDER) if r.startswith(t)), len(_TIER_ORDER))
-
-    items.sort(key=tier)  # stable: the order inside a tier is unchanged
-    for item in items:
-        if not any(m.name == "xdist_group" for m in item.iter_markers()):
-            r = rel(item)
-            group = "sglang_server" if r.startswith("sglang_server/") else r
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-def _built_once(tmp_path_factory, name: str, build) -> Path:
-    """``<root>/<name>``, made by ``build(out)`` once per session: under xdist the workers share
-    the session's root and a file lock, so the first builds it and the others wait and reuse it
-    (tests only read it, as in a serial run)."""
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the session's temp root, shared by its workers
-    out, done = root / name, root / f"{name}.done"
-    with FileLock(str(root / f"{name}.lock")):
-        if not done.is_file():
-            shutil.rmtree(out, ignore_errors=True)
-            build(out)
-            done.touch()
-    return out
-
-
 @pytest.fixture(scope="session")
 def base(tmp_path_factory):
     """The quickstart's own base model (trained to its target accuracy, ~30 s), so the learning
     tests measure what a user gets (e2e and the SGLang tier)."""
-    return _built_once(tmp_path_factory, "e2e_base", _make_base)
-
-
-def _make_base(out: Path) -> None:
     from tests.e2e.cli import ENV, ROOT
 
+    out = tmp_path_factory.mktemp("e2e") / "base"
     r = subprocess.run(
         [sys.executable, str(ROOT / "tools/make_tiny_base.py"), "--out", str(out)],
         capture_output=True,
@@ -102,17 +51,15 @@ def _make_base(out: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "base.json").read_text())["heldout_greedy_acc"] >= 0.4
+    return out
 
 
 @pytest.fixture(scope="session")
 def moe_base(tmp_path_factory):
     """A tiny random Qwen3-MoE (4 experts, top-2) on the addition task: HF and Megatron."""
-    return _built_once(tmp_path_factory, "moe_base", _make_moe_base)
-
-
-def _make_moe_base(out: Path) -> None:
     from tests.e2e.cli import ENV, ROOT
 
+    out = tmp_path_factory.mktemp("moe") / "base"
     code = f"""
 import sys, torch
 sys.path.insert(0, {str(ROOT)!r})
@@ -139,3 +86,4 @@ Qwen3MoeForCausalLM(cfg).save_pretrained(out / "hf")
          "--out", str(out / "ckpt")], capture_output=True, text=True, env=ENV, cwd=ROOT,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
+    return out

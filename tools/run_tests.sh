@@ -39,14 +39,8 @@ fi
 ruff check .
 ruff format --check .
 start=$(date +%s)
-# two pytest-xdist workers (P3O_TEST_WORKERS; 0 = serial): a test file runs whole on one worker
-# and the real-SGLang tier on one worker (tests/conftest.py), so the other core takes the
-# single-process stretches (imports, start-ups, one-rank tests) that left it idle in a serial run
-workers=${P3O_TEST_WORKERS:-2}
-xdist=()
-((workers > 0)) && xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 set +e
-python -m pytest -q "${xdist[@]}" --durations=15 "$@"
+python -m pytest -q --durations=15 "$@"
 rc=$?
 set -e
 echo "test suite wall time: $(( $(date +%s) - start ))s"
