@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .grid import GridConfig, control_setting
+from .grid import GridConfig, control_setting, family_label
 from .stats import adjust, mean_sd, seed_paired, seed_scores, t_ppf
 
 # the control's level on axes whose neutral point is not 0 (engine / trainer temperature ratio)
@@ -76,7 +76,7 @@ def dose_section(grid: GridConfig, cells: List[dict]) -> List[str]:
     by = {(f, o, m): t for f, o, m, t in rows}
     for fam, levels in ax.items():
         lines += [
-            f"**{fam}**",
+            f"**{family_label(grid, fam)}**",
             "",
             "| objective | control | " + " | ".join(levels) + " | break point |",
             "|---" * (len(levels) + 3) + "|",

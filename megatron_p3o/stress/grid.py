@@ -61,6 +61,22 @@ class MismatchSpec:
     objectives: List[str] = field(default_factory=list)  # labels run on this setting (empty: all)
 
 
+REPORTING_NOISE = "reporting noise, not a distribution shift"
+
+
+def reports_noise(m: MismatchSpec) -> bool:
+    """Whether a setting corrupts the ℓb the engine *reports* (``rollout.logprob_noise``) rather
+    than the distribution it samples from: such a setting's mismatch is reporting noise, not a
+    shift of πb (the probe, which measures the engine, does not see it), and reports label it."""
+    return float(m.set.get("rollout.logprob_noise", 0.0) or 0.0) > 0.0
+
+
+def family_label(grid: "GridConfig", family: str) -> str:
+    """``family``, with :data:`REPORTING_NOISE` appended when its settings corrupt reported ℓb."""
+    noisy = any(reports_noise(m) for m in grid.mismatch.values() if m.family == family)
+    return f"{family} ({REPORTING_NOISE})" if noisy else family
+
+
 @dataclass(frozen=True)
 class GridConfig:
     name: str = "stress"

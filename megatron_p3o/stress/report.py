@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..metrics import COARSE_HIST_RANGE
 from .dose import dose_section, plot_dose
-from .grid import GridConfig
+from .grid import REPORTING_NOISE, GridConfig, reports_noise
 from .long_run import long_run_section, plot_eval_curves
 from .lr_sweep import lr_section
 from .mechanisms import mechanisms_section
@@ -548,6 +548,12 @@ def write_report(
         md.append(
             f"- `{k}` ({m.family}, level {m.level:g}): "
             + (", ".join(f"`{a}={b}`" for a, b in m.set.items()) or "base recipe as is")
+            + (
+                f" — **{REPORTING_NOISE}**: the engine samples from its own πb and only the ℓb "
+                "it reports is perturbed (the probe, which measures the engine, does not see it)"
+                if reports_noise(m)
+                else ""
+            )
         )
     table, sentences = headline(grid, cells)
     mixed_from = mixed(cells)

@@ -99,6 +99,7 @@ def design_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[s
 def break_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     """objective × (grid, axis): the break level, or "none (worst Δ)" when no level broke it."""
     from .dose import axes, break_points
+    from .grid import family_label
     from .lr_sweep import learning_rates
     from .report import _base_lr
 
@@ -109,7 +110,7 @@ def break_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[st
             continue
         rows, points = break_points(g, cells[g.name])
         for fam in ax:
-            cols.append((g.name, fam))
+            cols.append((g, fam))
             for obj in g.objectives:
                 tests = [t for f, o, _, t in rows if f == fam and o == obj and t is not None]
                 bp = points.get((fam, obj))
@@ -123,11 +124,15 @@ def break_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[st
         return []
     objs = list(dict.fromkeys(o for o, _, _ in table))
     lines = [
-        "| objective | " + " | ".join(f"{fam} ({name})" for name, fam in cols) + " |",
+        "| objective | "
+        + " | ".join(f"{family_label(g, fam)} ({g.name})" for g, fam in cols)
+        + " |",
         "|---" * (len(cols) + 1) + "|",
     ]
     for o in objs:
-        lines.append(f"| {o} | " + " | ".join(table.get((o, n, f), "—") for n, f in cols) + " |")
+        lines.append(
+            f"| {o} | " + " | ".join(table.get((o, g.name, f), "—") for g, f in cols) + " |"
+        )
     return lines
 
 

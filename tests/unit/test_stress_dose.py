@@ -66,3 +66,26 @@ def test_break_points_and_table(tmp_path):
     assert f"| p3o | {control} | **-0.010" in md
     png = plot_dose(tmp_path, _grid(), _cells())
     assert png.is_file() and png.stat().st_size > 10_000
+
+
+def test_corrupted_reported_logprobs_are_labelled_reporting_noise():
+    """Issue 28: corrupted reported ℓb is its own family, labelled as reporting noise (the engine
+    samples from its own πb); a genuine shift of πb (logit noise) is not labelled so."""
+    from megatron_p3o.stress.grid import REPORTING_NOISE, family_label, reports_noise
+
+    m = dict(_grid().mismatch)
+    m["corrupt_0.3"] = MismatchSpec("reported_lb_noise", 0.3, {"rollout.logprob_noise": 0.3})
+    m["zero_0"] = MismatchSpec("reported_lb_zero", 0.0, {"rollout.logprob_noise": 0.0})
+    g = GridConfig(base="x", objectives=_grid().objectives, mismatch=m, seeds=list(range(1, 9)))
+    assert reports_noise(m["corrupt_0.3"]) and not reports_noise(m["noise_0.3"])
+    assert not reports_noise(m["zero_0"])  # σ = 0 corrupts nothing
+    assert family_label(g, "reported_lb_noise") == f"reported_lb_noise ({REPORTING_NOISE})"
+    assert family_label(g, "logit_noise") == "logit_noise"
+    cells = _cells() + [
+        {"objective": o, "mismatch": "corrupt_0.3", "seed": s, "status": "ok", "acc_end": 0.7}
+        for o in ("p3o", "tis")
+        for s in OFFSET
+    ]
+    text = "\n".join(dose_section(g, cells))
+    assert f"**reported_lb_noise ({REPORTING_NOISE})**" in text
+    assert "**logit_noise**" in text
