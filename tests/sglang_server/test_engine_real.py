@@ -193,16 +193,24 @@ def test_batched_requests_answer_each_completion_in_its_place(served):
     try:
         engine.request_batch = 7
         greedy = fleet.generate(PROMPTS, 1, GREEDY)
-        sampled = fleet.generate(PROMPTS, 4, sampling)
+        sampled = fleet.generate(PROMPTS, 8, sampling)
     finally:
         engine.request_batch = 1
     want = _trainer_greedy(cfg, named, 21)
     assert len(set(map(tuple, want))) > 1  # the prompts decode differently: order is visible
     assert [s.completion_ids for s in greedy] == want
-    groups = [g for g in range(len(PROMPTS)) for _ in range(4)]
+    groups = [g for g in range(len(PROMPTS)) for _ in range(8)]
     assert [s.group_id for s in sampled] == groups
     assert [s.prompt_ids for s in sampled] == [PROMPTS[g] for g in groups]
-    assert len({tuple(s.completion_ids) for s in sampled}) > len(PROMPTS)  # really sampled
+    # Really sampled, not greedy: some completion differs from its prompt's greedy decode. Under
+    # honest temperature-1 sampling all 96 equal theirs with probability Π_g p_g⁸ (p_g: the greedy
+    # decode's probability under the pushed weights; ≈ 1e-12 with the quickstart base, whose
+    # greedy answer to most of these prompts is an immediate EOS; asserted below 1e-6, as another
+    # CPU trains another base); a server that decoded greedily fails. (A count of distinct
+    # completions across groups failed by chance in CI: short completions such as [2] repeat.)
+    p_greedy = [_hf_logprobs(cfg, named, PROMPTS[g], want[g]).sum().exp().item() for g in groups]
+    assert torch.tensor(p_greedy, dtype=torch.float64).prod() < 1e-6, p_greedy
+    assert sum(s.completion_ids != want[s.group_id] for s in sampled) >= 1
     assert {s.weight_version for s in greedy + sampled} == {21}
     for s in sampled:
         lb = torch.tensor(s.logprobs, dtype=torch.float64)
