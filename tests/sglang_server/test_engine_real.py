@@ -149,14 +149,21 @@ def test_a_push_mid_generation_labels_tokens_per_version(served, mode, tmp_path)
             errors.append(e)
 
     threads = [threading.Thread(target=request, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)  # decoding: 6 × 400 tokens take several seconds on CPU
-    assert not results, "the requests finished before the push: make them longer"
-    if mode == "disk":
-        fleet.update_weights_from_disk(str(out), 12)
-    else:
-        fleet.update_weights(iter([v_new]), 12)
+    # SGLang's own test hook: the scheduler sleeps 20 ms per forward, so 400 tokens take ≥ 8 s on
+    # any CPU and the push surely lands mid-decode (a fast CPU once decoded a request in the
+    # 0.5 s wait, at ~700 tokens/s: a CI run on AVX-512). Reset right after the push.
+    server._request("POST", "/slow_down", {"forward_sleep_time": 0.02})
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the requests reach the scheduler and start decoding
+        assert not results, "the requests finished before the push: make them longer"
+        if mode == "disk":
+            fleet.update_weights_from_disk(str(out), 12)
+        else:
+            fleet.update_weights(iter([v_new]), 12)
+    finally:
+        server._request("POST", "/slow_down", {"forward_sleep_time": None})
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
