@@ -56,13 +56,19 @@ def _accuracy(stdout: str, when: str) -> float:
     return float(re.search(rf"held-out accuracy {when}: ([0-9.]+)", stdout).group(1))
 
 
+# SGLang ignores sampling seeds on CPU, so each run samples differently: 20 steps gained +0.086
+# once in CI (0.478 → 0.564) against the +0.10 asked; 40 steps gained +0.202 in two runs here.
+FP32_STEPS = 40
+
+
 @pytest.fixture(scope="module")
 def fp32_run(base, tmp_path_factory):
-    """The tiny recipe for 20 steps, fp32 serving, weights over a gloo group, an API key."""
+    """The tiny recipe for FP32_STEPS steps, fp32 serving, weights over a gloo group, an API key."""
     d = tmp_path_factory.mktemp("fp32")
     try:
-        m, r = _train(base, d, "fp32", "batch.prompts_per_rollout=32", "data.eval_every=20",
-                      steps=20, env={"P3O_SGLANG_API_KEY": KEY})  # fmt: skip
+        m, r = _train(base, d, "fp32", "batch.prompts_per_rollout=32",
+                      f"data.eval_every={FP32_STEPS}", steps=FP32_STEPS,
+                      env={"P3O_SGLANG_API_KEY": KEY})  # fmt: skip
         yield d / "fp32", m, r
     finally:
         kill_launched(d)
@@ -70,12 +76,15 @@ def fp32_run(base, tmp_path_factory):
 
 def test_learns_with_fp32_serving(fp32_run):
     _, m, r = fp32_run
-    before, after = _accuracy(r.stdout, "before training"), _accuracy(r.stdout, "at step 20")
+    before, after = (
+        _accuracy(r.stdout, "before training"),
+        _accuracy(r.stdout, f"at step {FP32_STEPS}"),
+    )
     print(f"fp32 SGLang serving: held-out {before:.3f} → {after:.3f}; first-step mean "
           f"|ℓθ − ℓb| = {m[0]['abs_logprob_diff']:.2e}")  # fmt: skip
     assert after - before >= 0.10, (before, after)
     assert m[0]["abs_logprob_diff"] <= 1e-5  # the server serves exactly the trainer's weights
-    assert [x["step"] for x in m] == list(range(1, 21))
+    assert [x["step"] for x in m] == list(range(1, FP32_STEPS + 1))
     assert max(x["staleness_max"] for x in m) == 0 and max(x["straddling_frac"] for x in m) == 0
 
 
@@ -86,7 +95,7 @@ def test_the_api_key_reaches_no_file_and_no_log(fp32_run):
     assert KEY not in r.stdout and KEY not in r.stderr
     log = (run / "sglang" / "server0.log").read_text()
     assert "server_args=" in log and "<redacted>" in log
-    assert log.count('"POST /generate HTTP/1.1" 200') >= 20 * 32 * 8  # every request authorized
+    assert log.count('"POST /generate HTTP/1.1" 200') >= FP32_STEPS * 32 * 8  # all authorized
 
 
 def test_bf16_serving_mismatch_is_at_bf16_level(base, reap):
