@@ -60,7 +60,7 @@ from .loss.ess import (
 )
 from .loss.fused_logprob import OutputLayerInput, fused_vocab_parallel_logprobs
 from .loss.logprob import vocab_parallel_logprobs
-from .loss.m2po import m2_cut, m2_values
+from .loss.m2po import m2_cut, m2_values, m2po_microbatch_keep
 from .loss.registry import Objective
 from .loss.terms import LossInputs, StepStats
 from .metrics import StepMetrics
@@ -303,6 +303,7 @@ class PolicyUpdate:
             group_ids=None,
             values=value,
             ref_values=resp.get("ref_values"),
+            m2po_keep=resp.get("m2po_keep"),
         )
 
     def _ess_stats(self, inp: LossInputs) -> torch.Tensor:
@@ -396,6 +397,20 @@ class PolicyUpdate:
         cut, _ = m2_cut(local, self.objective.hyper.tau)
         return cut, float(local.numel() - int((local >= cut).sum()))
 
+    def _m2po_microbatch_keeps(self, microbatches: List[MicroBatch]) -> None:
+        """M2PO, scope ``microbatch`` (AReaL's): each micro-batch's own keep-mask, from its host
+        ℓold and ℓb before the gradient pass (no read inside the schedule), stored as
+        ``response.m2po_keep``; the loss needs no step-wide cut."""
+        if not self.groups.is_last_stage():
+            return
+        for mb in microbatches:
+            r = mb["response"]
+            inp = LossInputs(
+                r["mask"].new_zeros(()), r["behavior_logprobs"], None, r["mask"].float(),
+                old_logprobs=r["old_logprobs"],
+            )  # fmt: skip
+            r["m2po_keep"] = m2po_microbatch_keep(inp, self.objective.hyper.tau)
+
     # -- ℓold / ℓprox: the policy at the start of the rollout batch ---------------------------
     def recompute_old_logprobs(self, chunks, microbatches: List[MicroBatch]) -> None:
         """Store ``response.old_logprobs`` (ℓθ before this rollout batch's first update, no grad)
@@ -441,6 +456,8 @@ class PolicyUpdate:
         if self.objective.needs_m2_cut:
             cut, m2_kept = self._m2po_cut(microbatches)
             norm = m2_kept
+        elif self.objective.needs_m2_microbatch_keep:
+            self._m2po_microbatch_keeps(microbatches)
         watch = FiniteWatch()
 
         # One micro-batch reads nothing on the host (each read stalls the device stream):

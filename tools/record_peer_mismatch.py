@@ -33,10 +33,19 @@ import sys
 from pathlib import Path
 
 import torch
-from peer_mismatch.areal import areal_cases
-from peer_mismatch.inputs import SEED, check_design, make_inputs
-from peer_mismatch.nemo import nemo_cases
-from peer_mismatch.slime import slime_cases
+from peer_mismatch.areal import areal_cases, areal_m2po_edge_cases
+from peer_mismatch.inputs import (
+    SEED,
+    check_design,
+    check_edge_design,
+    make_edge_inputs,
+    make_inputs,
+    make_m2po_microbatch_inputs,
+    make_m2po_rho_inputs,
+    make_m2po_tie_inputs,
+)
+from peer_mismatch.nemo import nemo_cases, nemo_edge_cases
+from peer_mismatch.slime import slime_cases, slime_edge_cases
 from peer_mismatch.sources import PeerSource
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,19 +64,46 @@ def main(argv: list[str] | None = None) -> int:
 
     x = make_inputs()
     check_design(x)
+    xe = make_edge_inputs()
+    check_edge_design(xe)
+    m2_sets = [
+        (
+            "two_microbatches",
+            make_m2po_microbatch_inputs(),
+            "two micro-batches (rows [0, 4) and [4, 8)); the first holds the large δ",
+        ),
+        (
+            "kept_rho_above_5",
+            make_m2po_rho_inputs(),
+            "one micro-batch; one token at ρ ≈ 5.5 kept by the M2 cut",
+        ),
+        (
+            "tie_at_cut",
+            make_m2po_tie_inputs(),
+            "one micro-batch; 8 tokens tied at δ = 0.5 with k* = 2 inside the tie",
+        ),
+    ]
 
     peers: dict[str, dict] = {}
     cases: list[dict] = []
+    edge_cases: list[dict] = []
     if a.nemo_rl:
-        peers["nemo_rl"], c = nemo_cases(PeerSource(a.nemo_rl, "NVIDIA-NeMo/RL"), x)
+        src = PeerSource(a.nemo_rl, "NVIDIA-NeMo/RL")
+        peers["nemo_rl"], c = nemo_cases(src, x)
         cases += c
+        edge_cases += nemo_edge_cases(src, xe)[1]
     if a.areal:
-        areal_peers, c = areal_cases(PeerSource(a.areal, "inclusionAI/AReaL"), x)
+        src = PeerSource(a.areal, "inclusionAI/AReaL")
+        areal_peers, c = areal_cases(src, x)
         peers.update(areal_peers)
         cases += c
+        peers["areal_m2po_steps"], c = areal_m2po_edge_cases(src, m2_sets)
+        edge_cases += c
     if a.slime:
-        peers["slime"], c = slime_cases(PeerSource(a.slime, "THUDM/slime"), x)
+        src = PeerSource(a.slime, "THUDM/slime")
+        peers["slime"], c = slime_cases(src, x)
         cases += c
+        edge_cases += slime_edge_cases(src, xe)[1]
     if not cases:
         ap.error("give at least one of --nemo-rl, --areal, --slime")
 
@@ -83,14 +119,25 @@ def main(argv: list[str] | None = None) -> int:
             "geo-mean ~1.16. Padding carries log-ratio 2.5 and random values that must not "
             "matter. pi_theta/pi_old ~ exp(0.2 N(0,1)); advantages per token ~ N(0,1)."
         ),
+        "edge_inputs_design": (
+            "issue 45. Bounds: B=4, T=7, lengths [7, 2, 2, 6]; tokens (0, 2), (0, 5), (3, 1) have "
+            "exp(ℓold − ℓb) == 2.0, 0.8, 1.25 exactly (torch float64) with d = ℓold − ℓb on the "
+            "far side of log(bound); the 2-token rows 1 and 2 have NeMo-RL's geometric mean "
+            "exp(Σd / (n + 1e-8)) == 1.002 and 0.8 exactly with the plain mean of d on the far "
+            "side of log(bound). M2PO (T=16): two micro-batches with the large δ in the first; "
+            "one micro-batch with a kept token at ρ ≈ 5.5; one with 8 tokens tied at δ = 0.5 "
+            "and k* = 2 inside the tie."
+        ),
         "peers": peers,
         "cases": [c for c in cases if c["objective"] in ("icepop", "seq_mask_tis")],
         "m2po_cases": [c for c in cases if c["objective"] == "m2po"],
+        "edge_cases": [c for c in edge_cases if c["objective"] in ("icepop", "seq_mask_tis")],
+        "m2po_edge_cases": [c for c in edge_cases if c["objective"] == "m2po"],
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(fixture, indent=1) + "\n")
-    for c in cases:
+    for c in cases + edge_cases:
         print(f"{c['name']:42s} loss={c['loss']!r}")
     print(f"wrote {out}")
     return 0

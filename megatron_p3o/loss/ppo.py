@@ -14,7 +14,6 @@ with s_t the clipped surrogate; docs/objectives.md has the sources and defaults.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -71,15 +70,18 @@ class ClipConfig:
 
 
 def _mis_keep(log_v, mask, h: ClipConfig):
-    lo = math.log(h.mis_low) if h.mis_low > 0 else -math.inf
-    hi = math.log(h.mis_high)
+    """The band is tested on the ratio itself, ``lo ≤ exp(·) ≤ hi``, as NeMo-RL, AReaL and slime
+    test it (not ``log lo ≤ · ≤ log hi``: where ``exp`` rounds onto a bound the two disagree).
+    The geometric mean is NeMo-RL's: ``exp(Σ_t log v_t / (n + 1e-8))``."""
     if h.mis_level == "token":
         lv = log_v
     elif h.mis_level == "seq_product":
-        lv = (log_v * mask).sum(-1, keepdim=True).expand_as(log_v)
-    else:
-        lv = ((log_v * mask).sum(-1) / mask.sum(-1).clamp_min(1)).unsqueeze(-1).expand_as(log_v)
-    return ((lv >= lo) & (lv <= hi)).to(mask.dtype)
+        lv = (log_v * mask).sum(-1, keepdim=True)
+    else:  # NeMo-RL's masked_mean(log v, token_mask, dim=-1)
+        n = mask.sum(-1).to(log_v.dtype)
+        lv = ((log_v * mask).sum(-1) / (n + 1e-8)).unsqueeze(-1)
+    v = torch.exp(lv)
+    return ((v >= h.mis_low) & (v <= h.mis_high)).expand_as(log_v).to(mask.dtype)
 
 
 def clip_terms(inp: LossInputs, stats: StepStats, h: ClipConfig):

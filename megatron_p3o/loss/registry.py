@@ -160,8 +160,15 @@ class Objective:
 
     @property
     def needs_m2_cut(self) -> bool:
-        """M2PO: a cut on (ℓold − ℓb)² over the whole step, known before the gradient pass."""
-        return "m2" in self.spec.needs
+        """M2PO at scope ``step``: a cut on (ℓold − ℓb)² over the whole step, known before the
+        gradient pass (its kept tokens are the normalizer)."""
+        return "m2" in self.spec.needs and self.hyper.scope == "step"
+
+    @property
+    def needs_m2_microbatch_keep(self) -> bool:
+        """M2PO at scope ``microbatch`` (AReaL's): each micro-batch's own keep-mask, computed
+        before the gradient pass; the normalizer is the step's valid tokens."""
+        return "m2" in self.spec.needs and self.hyper.scope == "microbatch"
 
     @property
     def needs_ess_prox(self) -> bool:
@@ -196,7 +203,7 @@ class Objective:
         return bool(getattr(self.hyper, "entropy_coef", 0))
 
     def normalizer(self, stats: StepStats) -> float:
-        if self.needs_m2_cut:  # M2PO: the mean over the kept tokens (AReaL's)
+        if self.needs_m2_cut:  # M2PO, scope step: the mean over the step's kept tokens
             return stats.m2po_kept
         return stats.n_seqs if self.per_sequence else stats.n_tokens
 

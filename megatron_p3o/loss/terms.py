@@ -30,6 +30,8 @@ class LossInputs:
         values: V_θ(s₁) ``[B]``, the log-partition of the policy's logits where each sequence's
             first completion token is predicted (ReVal), differentiable; or None.
         ref_values: V_ref(s₁) ``[B]`` of the reference model (ReVal), or None.
+        m2po_keep: M2PO's keep-mask ``[B, T]`` of this micro-batch (scope ``microbatch``),
+            computed by the trainer before the gradient pass; None: computed from the inputs.
     """
 
     logprobs: Tensor
@@ -43,6 +45,7 @@ class LossInputs:
     group_ids: Optional[Tensor] = None
     values: Optional[Tensor] = None
     ref_values: Optional[Tensor] = None
+    m2po_keep: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)

@@ -140,3 +140,269 @@ def test_m2po_mask_and_loss_equal_areal(name):
         assert ref_g.abs().sum() > 0
         assert torch.allclose(g, ref_g, rtol=1e-6, atol=1e-12)
         assert ((g != 0) <= (keep > 0)).all()  # masked tokens get no gradient
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 45: the edges — a ratio exactly on a bound, M2PO's micro-batches, ρ > 5, a tie at the cut
+# --------------------------------------------------------------------------------------------
+
+EDGES = {c["name"]: c for c in FIXTURE["edge_cases"]}
+M2PO_EDGES = {c["name"]: c for c in FIXTURE["m2po_edge_cases"]}
+
+
+def _log_space_keep(case, hyper):
+    """The rule before issue 45 (log v against log lo, log hi), to show the case is an edge."""
+    import math
+
+    x = _inputs(case)
+    m = x["mask"]
+    d = torch.where(m > 0, x["old_logprobs"] - x["behavior_logprobs"], 0.0)
+    lo = math.log(hyper["mis_low"]) if hyper["mis_low"] > 0 else -math.inf
+    hi = math.log(hyper["mis_high"])
+    if case["objective"] == "seq_mask_tis":
+        d = ((d * m).sum(-1) / m.sum(-1).clamp_min(1))[:, None].expand_as(d)
+    return ((d >= lo) & (d <= hi)) & (m > 0)
+
+
+@pytest.mark.parametrize("name", sorted(EDGES))
+def test_a_ratio_exactly_on_a_bound_is_kept_as_the_peers_keep_it(name):
+    case = EDGES[name]
+    x = _inputs(case)
+    objective, hyper, rtol, peer_frac, ours = _translate(case)
+    lp = x["logprobs"].clone().requires_grad_()
+    loss, metrics = policy_loss(
+        objective, lp, x["behavior_logprobs"], x["advantages"], x["mask"],
+        old_logprobs=x["old_logprobs"], **hyper,
+    )  # fmt: skip
+    (g,) = torch.autograd.grad(loss, lp)
+    ref_g = torch.tensor(case["grad_logprobs"], dtype=torch.float64)
+    assert float(loss) == pytest.approx(case["loss"], rel=rtol, abs=1e-12)
+    assert torch.allclose(g, ref_g, rtol=max(rtol, 1e-10), atol=1e-12), (g - ref_g).abs().max()
+    assert metrics[ours] == pytest.approx(peer_frac, rel=1e-6, abs=1e-9)
+    # a comparison in log space masks more: the peer keeps what it would drop
+    m = x["mask"] > 0
+    log_keep = _log_space_keep(case, hyper)
+    if case["objective"] == "seq_mask_tis":
+        log_frac = float((~log_keep[:, 0]).sum()) / len(m)
+    else:
+        log_frac = float((m & ~log_keep).sum() / m.sum())
+    assert log_frac > peer_frac + 0.05, (log_frac, peer_frac)
+
+
+def _m2po_step(case, **hyper):
+    """M2PO over the case's micro-batches exactly as PolicyUpdate.run drives it: the step's
+    counts, the step-scope cut (PolicyUpdate._m2po_cut) or the per-micro-batch keep, and each
+    micro-batch's terms over the objective's normalizer, summed."""
+    from megatron_p3o.loss import build_objective
+    from megatron_p3o.loss.m2po import m2_cut, m2_values, m2po_microbatch_keep
+    from megatron_p3o.loss.terms import LossInputs, StepStats
+
+    x = _inputs(case)
+    obj = build_objective("m2po", **hyper)
+    lp = x["logprobs"].clone().requires_grad_()
+    m = x["mask"].float()
+    n_tok, n_seq = float(m.sum()), float((m.sum(-1) > 0).sum())
+
+    def inputs(a, b, logprobs):
+        return LossInputs(
+            logprobs[a:b], x["behavior_logprobs"][a:b], x["advantages"][a:b], m[a:b],
+            old_logprobs=x["old_logprobs"][a:b],
+        )  # fmt: skip
+
+    rows = case["microbatch_rows"]
+    cut = kept = None
+    if obj.needs_m2_cut:
+        sq = torch.cat([m2_values(inputs(a, b, x["logprobs"])) for a, b in rows])
+        cut, _ = m2_cut(sq, obj.hyper.tau)
+        kept = float(sq.numel() - int((sq >= cut).sum()))
+    loss, masked, keeps = 0.0, 0.0, []
+    for a, b in rows:
+        inp = inputs(a, b, lp)
+        if obj.needs_m2_microbatch_keep:
+            inp.m2po_keep = m2po_microbatch_keep(inp, obj.hyper.tau)
+            keeps.append(inp.m2po_keep)
+        stats = StepStats(n_tok, n_seq, m2po_cut=cut, m2po_kept=kept)
+        total, pairs = obj.terms(inp, stats)
+        loss = loss + total / obj.normalizer(stats)
+        masked += float(pairs["mask_frac"][0])
+    (g,) = torch.autograd.grad(loss, lp)
+    return float(loss), g, masked, keeps
+
+
+def _areal_hyper(case):
+    cfg = case["peer_config"]
+    rs = cfg["rejection_sampling"]
+    assert cfg["use_decoupled_loss"] and cfg["importance_sampling_level"] == "token"
+    if rs is not None:
+        assert (rs["level"], rs["action"], rs["metric"]) == ("token", "mask", "ratio")
+        rs = {"upper": rs["upper"], "lower": rs["lower"]}
+    return dict(
+        tau=cfg["m2_threshold"],
+        eps_low=cfg["eps_clip"],
+        eps_high=cfg["eps_clip"],
+        rejection_sampling=rs,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(M2PO_EDGES))
+def test_m2po_microbatch_scope_equals_areal_step(name):
+    """``scope: microbatch`` reproduces AReaL's optimizer step: per micro-batch cut (exactly k*
+    tokens in its sort order) and mean, micro-batches weighted by their token counts; with and
+    without AReaL's rejection sampling."""
+    case = M2PO_EDGES[name]
+    loss, g, masked, keeps = _m2po_step(case, scope="microbatch", **_areal_hyper(case))
+    ref_keep = torch.tensor(case["metrics"]["m2po_keep_mask"], dtype=torch.float64)
+    assert torch.equal(torch.cat(keeps).double(), ref_keep)
+    assert masked == case["metrics"]["m2po_masked_tokens"] > 0 or "rho" in name
+    ref_g = torch.tensor(case["grad_logprobs"], dtype=torch.float64)
+    # AReaL: float32 ρ and float32 micro-batch weight n_mb / N
+    assert loss == pytest.approx(case["loss"], rel=1e-6)
+    assert ref_g.abs().sum() > 0
+    assert torch.allclose(g, ref_g, rtol=1e-6, atol=1e-12), (g - ref_g).abs().max()
+
+
+def test_m2po_edges_where_the_step_scope_differs_from_areal():
+    """The default ``scope: step`` takes one cut over the step and masks every token tied with
+    it (docs/objectives.md); on one micro-batch without ties it is AReaL's step."""
+    two = M2PO_EDGES["areal_m2po_two_microbatches_plain"]
+    n = sum(sum(r) for r in two["inputs"]["mask"])
+    _, _, step_masked, _ = _m2po_step(two, scope="step", **_areal_hyper(two))
+    assert (step_masked, two["metrics"]["m2po_masked_tokens"], n) == (1.0, 3.0, 103)
+    tie = M2PO_EDGES["areal_m2po_tie_at_cut_plain"]
+    _, _, step_masked, _ = _m2po_step(tie, scope="step", **_areal_hyper(tie))
+    assert (step_masked, tie["metrics"]["m2po_masked_tokens"]) == (8.0, 2.0)  # 8 tied at δ = 0.5
+    for name in ("areal_m2po_kept_rho_above_5_plain", "areal_m2po_kept_rho_above_5_example_config"):
+        case = M2PO_EDGES[name]
+        loss, g, masked, _ = _m2po_step(case, scope="step", **_areal_hyper(case))
+        assert masked == case["metrics"]["m2po_masked_tokens"] == 0
+        assert loss == pytest.approx(case["loss"], rel=1e-6)
+        ref_g = torch.tensor(case["grad_logprobs"], dtype=torch.float64)
+        assert torch.allclose(g, ref_g, rtol=1e-6, atol=1e-12)
+
+
+def test_m2po_rejection_sampling_drops_a_kept_token_above_5():
+    """AReaL's shipped config drops the kept token at ρ ≈ 5.5 (weight 0, still counted); the
+    old project weighting (ρ, never dropped) is ``rejection_sampling: {upper: .inf}``."""
+    case = M2PO_EDGES["areal_m2po_kept_rho_above_5_example_config"]
+    x = _inputs(case)
+    rho = torch.exp(torch.where(x["mask"] > 0, x["old_logprobs"] - x["behavior_logprobs"], 0.0))
+    (i, t) = (rho > 5).nonzero()[0].tolist()
+    assert case["grad_logprobs"][i][t] == 0.0
+    assert case["metrics"]["rs_filtered_fraction_per_microbatch"] == [1 / 113]
+    hyper = {**_areal_hyper(case), "rejection_sampling": {"upper": float("inf")}}
+    _, g, _, _ = _m2po_step(case, scope="microbatch", **hyper)
+    assert g[i, t] != 0
+
+
+@pytest.mark.parametrize(
+    "hyper,message",
+    [
+        ({"scope": "minibatch"}, "scope='minibatch': use step or microbatch"),
+        ({"rejection_sampling": {"uper": 5.0}}, "rejection_sampling.uper: unknown key"),
+        ({"rejection_sampling": {"level": "sequence"}}, "rejection_sampling.level='sequence'"),
+        ({"rejection_sampling": {"upper": 0}}, "rejection_sampling.upper=0 must be > 0"),
+        ({"rejection_sampling": {"upper": 2, "lower": 3}}, "rejection_sampling.lower=3"),
+        ({"rejection_sampling": 5.0}, "rejection_sampling=5.0"),
+    ],
+)
+def test_m2po_hyper_errors_name_the_key(hyper, message):
+    from megatron_p3o.loss import build_objective
+
+    with pytest.raises(ValueError, match="") as e:
+        build_objective("m2po", **hyper)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_m2po_defaults_are_arealsshipped_weighting_and_the_step_scope():
+    from megatron_p3o.loss import build_objective
+
+    h = build_objective("m2po").hyper
+    assert h.scope == "step" and h.rejection_sampling["upper"] == 5.0
+    assert h.rejection_sampling["lower"] is None
+    assert build_objective("m2po", rejection_sampling=None).hyper.rejection_sampling is None
+
+
+def m2po_microbatch_trainer_step(groups, tau: float):
+    """One optimizer step of M2PO ``scope: microbatch`` through PolicyUpdate.run (Megatron's
+    schedule, a tiny model, several micro-batches), with each micro-batch's loss inputs and the
+    gradient reaching its ℓθ captured (rank body)."""
+    from megatron_p3o import policy_update
+    from megatron_p3o.batching import BatchConfig, MicroBatcher
+    from megatron_p3o.loss import build_objective
+    from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
+    from tests.distributed.bodies import FAMILIES, _build
+    from tests.unit.test_host_syncs import FAMILY, SEQ, _samples
+
+    vocab = FAMILIES[FAMILY]["vocab_size"]
+    ddp = wrap_ddp(_build(FAMILY, groups), groups, OptimConfig())
+    zero_grads(ddp)
+    samples, adv = _samples(6, vocab)
+    (mbs,), _ = MicroBatcher(BatchConfig(micro_batch_size=2), groups, SEQ, 0).build(samples, adv)
+    obj = build_objective("m2po", scope="microbatch", tau=tau, rejection_sampling=None)
+    update = policy_update.PolicyUpdate(obj, groups, vocab, policy_update.LossConfig())
+    update.recompute_old_logprobs(ddp, mbs)
+    seen = []
+    terms = obj.terms
+
+    def capture(inp, stats):
+        inp.logprobs.retain_grad()
+        seen.append((inp, stats))
+        return terms(inp, stats)
+
+    obj.terms = capture
+    metrics = update.run(ddp, mbs)
+    out = []
+    for inp, _stats in seen:
+        out.append(
+            {
+                k: getattr(inp, k).detach().double().clone()
+                for k in ("logprobs", "behavior_logprobs", "advantages", "mask", "old_logprobs")
+            }
+            | {"grad": inp.logprobs.grad.double().clone(), "keep": inp.m2po_keep.double()}
+        )
+    return {"metrics": metrics, "micro": out, "n_micro": len(mbs)}
+
+
+def _areal_microbatch_reference(micro, tau, eps=0.2):
+    """AReaL's step written out here (float64): per micro-batch, its valid δ² sorted
+    descending, the first k* leave, the mean over the kept tokens; micro-batch weight n_mb/N."""
+    n_all = sum(float(mb["mask"].sum()) for mb in micro)
+    loss, keeps, lps = 0.0, [], []
+    for mb in micro:
+        m = mb["mask"] > 0
+        lp = mb["logprobs"].clone().requires_grad_()
+        d = (mb["old_logprobs"] - mb["behavior_logprobs"])[m]
+        v, idx = torch.sort(d * d, descending=True)
+        n = v.numel()
+        k = next((i for i in range(n) if float(v[i:].mean()) < tau), n - 1)
+        kept = torch.ones(n, dtype=torch.bool)
+        kept[idx[:k]] = False
+        keep = torch.zeros_like(m)
+        keep[m] = kept
+        r = torch.exp(torch.where(m, lp - mb["old_logprobs"], 0.0))
+        a = mb["advantages"]
+        s = -torch.minimum(r * a, torch.clamp(r, 1 - eps, 1 + eps) * a)
+        loss = loss + (s * keep).sum() / keep.sum() * (float(m.sum()) / n_all)
+        keeps.append(keep)
+        lps.append(lp)
+    grads = torch.autograd.grad(loss, lps)
+    return float(loss), keeps, grads
+
+
+def test_m2po_microbatch_scope_in_the_trainer_loop(pools):
+    from megatron_p3o.parallel import Layout
+
+    tau = 0.3
+    res = pools(1).run(m2po_microbatch_trainer_step, Layout(), tau=tau)[0]
+    micro = res["micro"]
+    assert len(micro) == res["n_micro"] >= 3
+    loss, keeps, grads = _areal_microbatch_reference(micro, tau)
+    for mb, keep, g in zip(micro, keeps, grads):
+        assert torch.equal(mb["keep"] > 0, keep)
+        assert torch.allclose(mb["grad"], g, rtol=1e-5, atol=1e-9), (mb["grad"] - g).abs().max()
+    masked = sum(float((~k & (mb["mask"] > 0)).sum()) for k, mb in zip(keeps, micro))
+    n_all = sum(float(mb["mask"].sum()) for mb in micro)
+    assert 0 < masked < n_all
+    assert res["metrics"]["mask_frac"] == pytest.approx(masked / n_all, rel=1e-6)
+    assert res["metrics"]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert "m2po_kept_tokens" not in res["metrics"]  # no step-wide cut at this scope

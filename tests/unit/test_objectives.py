@@ -99,6 +99,7 @@ def ref_loss(name, x):
             keep[i, t] = 1.0
         r = torch.exp(_d(lp, lold.detach(), m))
         w = torch.exp(_d(lold, lb, m)).detach()
+        w = w * (w <= 5.0).double()  # AReaL's shipped rejection sampling: ρ > 5 weighs 0
         return (keep * w * _surr(r, A, 0.2, 0.2)).sum() / keep.sum()
     if name in ("gspo", "gspo_token"):
         has = m.sum(-1) > 0

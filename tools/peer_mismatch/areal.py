@@ -239,3 +239,178 @@ def areal_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list
             }
         )
     return peers, cases + m2_cases
+
+
+# --------------------------------------------------------------------------------------------
+# AReaL M2PO edges (issue 45): several micro-batches, a kept token with ρ > 5, a tie at the cut
+# --------------------------------------------------------------------------------------------
+
+AREAL_TRAIN_ENGINE = "areal/engine/core/train_engine.py"
+
+
+def _single_rank_dist() -> types.SimpleNamespace:
+    # one DP rank: compute_total_loss_weight's all_reduce leaves the sum as it is
+    return types.SimpleNamespace(all_reduce=lambda tensor, group=None: None, ProcessGroup=object)
+
+
+def areal_m2po_edge_cases(src: PeerSource, input_sets: list) -> tuple[dict, list[dict]]:
+    """AReaL's M2PO through its training step on one DP rank: per micro-batch ``grpo_loss_fn``
+    (actor.py), weighted by ``loss_weight_fn`` = the micro-batch's loss-mask count over
+    ``compute_total_loss_weight`` (train_engine.py), as MegatronEngine scales each micro-batch's
+    loss (``loss_scale = local_weight / total_loss_weight * loss_multiplier``; the multiplier
+    undoes Megatron's division by the micro-batch count and DP size: 1 here)."""
+    consts = new_module("peer_areal_constants_m2")
+    exec_whole(src, AREAL_CONSTANTS, consts)
+    stats = _StatsRecorder()
+    mod = new_module(
+        "peer_areal_m2",
+        torch=torch,
+        dist=_single_rank_dist(),
+        functools=functools,
+        dataclass=dataclasses.dataclass,
+        field=dataclasses.field,
+        Any=typing.Any,
+        Callable=typing.Callable,
+        KLEstimator=types.SimpleNamespace(_compute_approx_kl=_not_needed("KLEstimator")),
+        stats_tracker=stats,
+        infer_token_denominator=lambda input_data, loss_mask: loss_mask,
+        _log_proximal_approximation_stats=lambda **kw: None,
+        _log_version_staleness_stats=lambda **kw: None,
+        compute_prox_logp_approximations=_not_needed("compute_prox_logp_approximations"),
+        sapo_loss_fn=_not_needed("sapo_loss_fn"),
+        **{k: v for k, v in vars(consts).items() if not k.startswith("__")},
+    )
+    spans = {}
+    spans.update(load_defs(src, AREAL_CLI, ["RejectionSamplingConfig"], mod))
+    spans.update(
+        load_defs(
+            src,
+            AREAL_FUNCTIONAL,
+            [
+                "_compute_sequence_level_ratio_and_advantages",
+                "RejectionSamplingResult",
+                "_check_bounds",
+                "apply_rejection_sampling",
+                "ppo_actor_loss_fn",
+            ],
+            mod,
+        )
+    )
+    spans.update(
+        load_defs(
+            src,
+            AREAL_ACTOR,
+            [
+                "grpo_loss_fn",
+                "_resolve_proximal_logp",
+                "_apply_m2po_masking",
+                "_get_m2po_loss_mask",
+            ],
+            mod,
+        )
+    )
+    spans.update(load_defs(src, AREAL_TRAIN_ENGINE, ["compute_total_loss_weight"], mod))
+    peer = _def_record(src, AREAL_ACTOR, "grpo_loss_fn per micro-batch (train_batch)", spans)
+    peer["loss_weight_fn"] = (
+        "actor.py PPOActor._ppo_update: lambda x: x['loss_mask'].count_nonzero()"
+    )
+    peer["loss_scale"] = "megatron_engine.py: loss * local_weight / total_loss_weight"
+
+    configs = [
+        ("plain", {"m2_threshold": 0.04, "eps_clip": 0.2, "rejection_sampling": None}),
+        (
+            "example_config",
+            {
+                "m2_threshold": 0.04,
+                "eps_clip": 0.0,
+                "rejection_sampling": {"metric": "ratio", "upper": 5.0},
+            },
+        ),
+    ]
+    cases = []
+    for set_name, (x, mb_rows), note in input_sets:
+        for cfg_name, cfg in configs:
+            rs = cfg["rejection_sampling"]
+            rs_obj = None if rs is None else mod.RejectionSamplingConfig(**rs)
+            lp = x["logprobs"].clone().requires_grad_(True)
+            mbs = []
+            for a, b in mb_rows:
+                mbs.append(
+                    {
+                        "logprobs": x["behavior_logprobs"][a:b],
+                        "advantages": x["advantages"][a:b],
+                        "loss_mask": x["mask"][a:b],
+                        "prox_logp": x["old_logprobs"][a:b],
+                    }
+                )
+
+            def loss_weight_fn(mb):
+                return mb["loss_mask"].count_nonzero()
+
+            total_w = mod.compute_total_loss_weight(
+                types.SimpleNamespace(mbs=mbs), loss_weight_fn, None
+            )
+            loss = torch.zeros((), dtype=DTYPE)
+            keeps, rs_fracs = [], []
+            for (a, b), mb in zip(mb_rows, mbs):
+                stats.scalars.clear()
+                mb_loss = mod.grpo_loss_fn(
+                    lp[a:b],
+                    torch.zeros(b - a, lp.shape[1], dtype=DTYPE),
+                    mb,
+                    eps_clip=cfg["eps_clip"],
+                    eps_clip_higher=None,
+                    c_clip=None,
+                    rejection_sampling=rs_obj,
+                    m2_threshold=cfg["m2_threshold"],
+                    importance_sampling_level="token",
+                    current_version=None,
+                    prox_logp_method=consts.PROX_LOGP_METHOD_RECOMPUTE,
+                    use_sapo_loss=False,
+                    use_decoupled_loss=True,
+                )
+                # megatron_engine.py: loss_scale = local_weight / total_loss_weight *
+                # loss_multiplier (float32, as there; the multiplier is 1 on one rank)
+                loss_scale = loss_weight_fn(mb) / total_w
+                loss = loss + mb_loss * loss_scale
+                keeps.append(
+                    mod._apply_m2po_masking(
+                        mb["logprobs"], mb["prox_logp"], mb["loss_mask"].bool(), cfg["m2_threshold"]
+                    )
+                )
+                rs_fracs.append(stats.scalars.get("rs_filtered_fraction"))
+            loss.backward()
+            keep = torch.cat(keeps)
+            cases.append(
+                {
+                    "name": f"areal_m2po_{set_name}_{cfg_name}",
+                    "peer": "areal_m2po",
+                    "objective": "m2po",
+                    "peer_config": {
+                        **cfg,
+                        "rejection_sampling": None
+                        if rs_obj is None
+                        else dataclasses.asdict(rs_obj),
+                        "prox_logp_method": consts.PROX_LOGP_METHOD_RECOMPUTE,
+                        "use_decoupled_loss": True,
+                        "importance_sampling_level": "token",
+                    },
+                    "microbatch_rows": mb_rows,
+                    "aggregation": (
+                        "sum over micro-batches of grpo_loss_fn(mb) * loss_mask(mb).count_nonzero()"
+                        " / compute_total_loss_weight (one DP rank); grpo_loss_fn: mean over the "
+                        "micro-batch's M2PO-kept tokens"
+                    ),
+                    "notes": note,
+                    "inputs": {**{k: v.tolist() for k, v in x.items()}},
+                    "loss": scalar(loss),
+                    "grad_logprobs": lp.grad.tolist(),
+                    "metrics": {
+                        "m2po_keep_mask": keep.to(DTYPE).tolist(),
+                        "m2po_masked_tokens": scalar((x["mask"].bool() & ~keep).sum()),
+                        "total_loss_weight": scalar(total_w),
+                        "rs_filtered_fraction_per_microbatch": rs_fracs,
+                    },
+                }
+            )
+    return peer, cases

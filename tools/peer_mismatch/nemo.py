@@ -6,7 +6,7 @@ import typing
 
 import torch
 
-from peer_mismatch.inputs import DTYPE, B, T, as_lists, scalar
+from peer_mismatch.inputs import DTYPE, EDGE_LENGTHS, B, T, as_lists, scalar
 from peer_mismatch.sources import PeerSource, _def_record, class_defaults, load_defs, new_module
 
 # --------------------------------------------------------------------------------------------
@@ -18,7 +18,13 @@ NEMO_UTILS = "nemo_rl/algorithms/utils.py"
 NEMO_IFACE = "nemo_rl/algorithms/loss/interfaces.py"
 
 
-def nemo_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[dict]]:
+def nemo_cases(
+    src: PeerSource,
+    x: dict[str, torch.Tensor],
+    variants: list | None = None,
+    lengths: list[int] | None = None,
+) -> tuple[dict, list[dict]]:
+    """NeMo-RL's cases on ``x`` (the default variants unless ``variants`` is given)."""
     mod = new_module(
         "peer_nemo_rl",
         torch=torch,
@@ -48,7 +54,7 @@ def nemo_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[
         "token_level_loss": True,
         "use_importance_sampling_correction": True,
     }
-    variants = [
+    variants = variants or [
         (
             "nemo_rl_icepop",
             "icepop",
@@ -125,10 +131,52 @@ def nemo_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[
                 "notes": band_note
                 + ". is_oob_ratio = fraction of tokens (icepop) or sequences (seq-mask-tis) "
                 "outside the band, normalized by global_valid_toks / global_valid_seqs.",
-                "inputs": as_lists(x),
+                "inputs": as_lists(x, lengths),
                 "loss": scalar(loss),
                 "grad_logprobs": lp.grad.tolist(),
                 "metrics": {k: scalar(v) for k, v in sorted(metrics.items())},
             }
         )
     return peer, cases
+
+
+# The edge inputs (issue 45): exp(ℓold − ℓb) exactly on a bound (inputs.make_edge_inputs)
+NEMO_EDGE_VARIANTS = [
+    (
+        "nemo_rl_icepop_ratio_on_bounds",
+        "icepop",
+        {
+            "truncated_importance_sampling_type": "icepop",
+            "truncated_importance_sampling_ratio_min": 0.8,
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+        "band [0.8, 2.0]; edge inputs: tokens with exp(d) == 2.0 and == 0.8 exactly, whose d lies "
+        "outside [log 0.8, log 2.0]: the peer keeps them",
+    ),
+    (
+        "nemo_rl_seq_mask_tis_geomean_on_hi",
+        "seq_mask_tis",
+        {
+            "truncated_importance_sampling_type": "seq-mask-tis",
+            "truncated_importance_sampling_ratio_min": 0.999,
+            "truncated_importance_sampling_ratio": 1.002,
+        },
+        "band [0.999, 1.002]; edge inputs: sequence 1's geometric mean (NeMo-RL's masked_mean, "
+        "denominator n + 1e-8) is exactly 1.002 while the plain mean of d exceeds log 1.002",
+    ),
+    (
+        "nemo_rl_seq_mask_tis_geomean_on_lo",
+        "seq_mask_tis",
+        {
+            "truncated_importance_sampling_type": "seq-mask-tis",
+            "truncated_importance_sampling_ratio_min": 0.8,
+            "truncated_importance_sampling_ratio": 1.25,
+        },
+        "band [0.8, 1.25]; edge inputs: sequence 2's geometric mean is exactly 0.8 while the "
+        "plain mean of d is below log 0.8",
+    ),
+]
+
+
+def nemo_edge_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[dict]]:
+    return nemo_cases(src, x, NEMO_EDGE_VARIANTS, EDGE_LENGTHS)

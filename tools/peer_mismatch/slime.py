@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from peer_mismatch.inputs import DTYPE, LENGTHS, B, as_lists, scalar
+from peer_mismatch.inputs import DTYPE, EDGE_LENGTHS, LENGTHS, B, as_lists, scalar
 from peer_mismatch.sources import PeerSource, _def_record, _not_needed, load_defs, new_module
 
 # --------------------------------------------------------------------------------------------
@@ -21,7 +21,13 @@ SLIME_CP = "slime/backends/megatron_utils/cp_utils.py"
 SLIME_ICEPOP_PATH = "slime.backends.megatron_utils.loss.icepop_function"
 
 
-def slime_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[dict]]:
+def slime_cases(
+    src: PeerSource,
+    x: dict[str, torch.Tensor],
+    variants: list | None = None,
+    lengths: list[int] | None = None,
+) -> tuple[dict, list[dict]]:
+    """slime's cases on ``x`` (the default variants unless ``variants`` is given)."""
     provided = {}
 
     def get_log_probs_and_entropy(logits, **kw):
@@ -78,12 +84,12 @@ def slime_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list
     mod.load_function = lambda path: {SLIME_ICEPOP_PATH: mod.icepop_function}[path]
     peer = _def_record(src, SLIME_LOSS, "icepop_function (via loss_function)", spans)
 
-    variants = [
+    variants = variants or [
         ("slime_icepop_band_per_token_loss", 0.5, 5.0, True),
         ("slime_icepop_band_per_sample_mean", 0.5, 5.0, False),
         ("slime_icepop_defaults_per_sample_mean", 0.0, 2.0, False),
     ]
-    lengths = LENGTHS
+    lengths = LENGTHS if lengths is None else lengths
     cases = []
     for name, low, high, per_token in variants:
         args = Namespace(
@@ -172,10 +178,21 @@ def slime_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list
                     "else 0; 'tis_clipfrac' here is the logged value divided by the "
                     "normalizer/step_global_batch_size (fraction of zeroed tokens)."
                 ),
-                "inputs": as_lists(x),
+                "inputs": as_lists(x, lengths),
                 "loss": scalar(loss),
                 "grad_logprobs": lp.grad.tolist(),
                 "metrics": metrics,
             }
         )
     return peer, cases
+
+
+# The edge inputs (issue 45): exp(ℓold − ℓb) exactly on a bound (inputs.make_edge_inputs)
+SLIME_EDGE_VARIANTS = [
+    ("slime_icepop_ratio_on_bounds_per_token_loss", 0.8, 2.0, True),
+    ("slime_icepop_defaults_ratio_on_hi_per_token_loss", 0.0, 2.0, True),
+]
+
+
+def slime_edge_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[dict]]:
+    return slime_cases(src, x, SLIME_EDGE_VARIANTS, EDGE_LENGTHS)
