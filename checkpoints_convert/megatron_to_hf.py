@@ -1,7 +1,11 @@
-"""Megatron-Core distributed checkpoint (written at any TP/PP) → HF directory, streaming.
+"""Megatron-Core distributed checkpoint (written at any TP/PP/EP) → HF directory, streaming.
 
-    python -m checkpoints_convert.megatron_to_hf --ckpt CKPT_DIR --out HF_DIR
+    python -m checkpoints_convert.megatron_to_hf --ckpt CKPT_OR_RUN_DIR --out HF_DIR
         [--max-shard-size-gb 2] [--dtype bfloat16] [--hf-config DIR] [--quantize fp8]
+
+``--ckpt``: a training run directory (its newest checkpoint that verifies against its
+manifest), one of its ``checkpoints/step_N``, or a converted checkpoint
+(:mod:`checkpoints_convert.source`).
 
 Writes config.json, the tokenizer files kept in the checkpoint (or from ``--hf-config``), sharded
 safetensors and the index, which ``transformers`` and SGLang load as is. Atomic (temp dir + rename).
@@ -35,8 +39,8 @@ def convert(
 ) -> dict:
     from rich.progress import Progress
 
-    from checkpoints_convert.hf_to_megatron import HF_SUBDIR
-    from megatron_p3o.hf.dist_stream import read_checkpoint, read_meta
+    from checkpoints_convert.source import resolve
+    from megatron_p3o.hf.dist_stream import read_checkpoint
     from megatron_p3o.hf.mapping import tensor_maps, to_hf
     from megatron_p3o.hf.safetensors_io import HFShardedWriter, atomic_dir, copy_aux_files
     from megatron_p3o.model.description import description_to_hf_config
@@ -45,17 +49,19 @@ def convert(
 
     if Path(out_dir).exists():
         raise OutputExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
-    meta = read_meta(ckpt_dir)
-    desc = meta["description"]
+    src = resolve(ckpt_dir)
+    for note in src.notes if progress else []:
+        print(note)
+    meta, desc = src.meta, src.meta["description"]
     out_dtype = getattr(torch, dtype) if dtype else getattr(torch, meta["params_dtype"])
     if groups is None:
         groups = initialize(Layout())
-    src_cfg = Path(hf_config_dir) if hf_config_dir else Path(ckpt_dir) / HF_SUBDIR
+    src_cfg = Path(hf_config_dir) if hf_config_dir else src.hf_dir
     n = 0
     with atomic_dir(out_dir) as tmp, Progress(disable=not progress) as bar:
-        task = bar.add_task(f"Megatron → HF {Path(ckpt_dir).name}", total=len(tensor_maps(desc)))
+        task = bar.add_task(f"Megatron → HF {src.ckpt.name}", total=len(tensor_maps(desc)))
         writer = HFShardedWriter(tmp, max_shard_bytes)
-        for tm, t in read_checkpoint(ckpt_dir):
+        for tm, t in read_checkpoint(src.ckpt, meta):
             named = ((name, x.to(out_dtype)) for name, x in to_hf(tm, t, desc).items())
             if quantize == "fp8":
                 named = quantize_named(named)
@@ -76,6 +82,7 @@ def convert(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         copied = copy_aux_files(src_cfg, tmp)
     return {
+        "checkpoint": str(src.ckpt),
         "tensors": n,
         "bytes": writer.total,
         "shards": len(writer.files),
@@ -86,7 +93,12 @@ def convert(
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", required=True, help="Megatron dist checkpoint directory")
+    ap.add_argument(
+        "--ckpt",
+        required=True,
+        help="a training run directory (its newest verified checkpoint), a checkpoint directory "
+        "(checkpoints/step_N) or a converted checkpoint",
+    )
     ap.add_argument("--out", required=True, help="output HF directory (must not exist)")
     ap.add_argument("--max-shard-size-gb", type=float, default=2.0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)

@@ -15,12 +15,13 @@ import torch
 
 def megatron_logits(ckpt_dir: str, ids: torch.Tensor, groups=None) -> torch.Tensor:
     """Logits ``[b, s, V]`` (padding dropped) of the checkpoint at TP=1, fp32."""
+    from checkpoints_convert.source import resolve
     from megatron_p3o.checkpoint import load_model_state
-    from megatron_p3o.hf.dist_stream import read_meta
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.parallel import Layout, initialize
 
-    meta = read_meta(ckpt_dir)
+    src = resolve(ckpt_dir)  # a converted or trained checkpoint, or a run directory
+    meta, ckpt_dir = src.meta, src.ckpt
     desc = meta["description"]
     groups = groups or initialize(Layout())
     (model,) = build_model(
@@ -58,11 +59,13 @@ def verify(hf_dir: str, ckpt_dir: str, seq: int = 64, prompts: int = 4, seed: in
 
 
 def main(argv=None) -> int:
+    from megatron_p3o.errors import count_arg
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", required=True)
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--seq", type=count_arg, default=64)
+    ap.add_argument("--prompts", type=count_arg, default=4)
     ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
     print(json.dumps(verify(a.hf, a.ckpt, a.seq, a.prompts), indent=2))

@@ -60,12 +60,15 @@ def save_model_state(
     extra_files: Dict[str, dict] | None = None,
     state: Dict | None = None,
     rank_payload: object = None,
+    copy_dirs: Dict[str, Path] | None = None,
 ) -> Path:
     """Write a checkpoint to ``ckpt_dir`` atomically (all ranks call this).
 
     ``state``: more entries for the same dist checkpoint (sharded optimizer state, or plain
     objects such as the scheduler, stored once in common.pt). ``rank_payload``: a per-rank
     object (RNG states) written as ``rank/<global rank>.pt``. ``extra_files``: JSON files.
+    ``copy_dirs``: directories copied in under the given names (the HF config and tokenizer,
+    so that the checkpoint exports on its own); all of them are covered by the manifest.
     """
     from megatron.core import dist_checkpointing
 
@@ -92,6 +95,8 @@ def save_model_state(
     if rank == 0:
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2, sort_keys=True))
+        for name, src in (copy_dirs or {}).items():
+            shutil.copytree(src, tmp / name)
     _barrier()
     write_manifest(tmp)  # last: every file with its size and digest (see manifest)
     if rank == 0:
@@ -201,11 +206,13 @@ def save_training_checkpoint(
     keep_last: int = 2,
     extra: Dict | None = None,
     files: Dict[str, dict] | None = None,
+    copy_dirs: Dict[str, Path] | None = None,
 ) -> Path:
     """``run_dir/checkpoints/step_NNNNNN`` (atomic), then the ``latest`` pointer (atomic), then
     pruning to the newest ``keep_last``. An interrupted save leaves ``latest`` on the previous
     one. ``extra``: more sharded entries (the reference model's weights, the R2PO head);
-    ``files``: JSON files to keep in it (the recipe)."""
+    ``files``: JSON files to keep in it (the recipe, the model description);
+    ``copy_dirs``: directories to copy in (the HF config and tokenizer)."""
     root = Path(run_dir) / "checkpoints"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -221,7 +228,7 @@ def save_training_checkpoint(
     try:
         final = save_model_state(
             chunks, root / f"step_{step:06d}", extra_files=files, state=state,
-            rank_payload=_rng_state(),
+            rank_payload=_rng_state(), copy_dirs=copy_dirs,
         )  # fmt: skip
     except _WRITE_ERRORS as e:  # e.g. a full disk (torch DCP re-raises it on every rank)
         raise _save_failed(root, step, e) from None

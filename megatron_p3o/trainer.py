@@ -26,7 +26,7 @@ from .checkpoint import (
     save_training_checkpoint,
 )
 from .config import ConfigError, TrainConfig, to_dict
-from .hf.dist_stream import read_meta
+from .hf.dist_stream import P3O_META_FILE, meta_dict, read_meta
 from .loss import build_objective
 from .metrics import PhaseTimer, combine_optimizer_steps, staleness
 from .model.builder import BuildOptions, build_model
@@ -499,8 +499,21 @@ class Trainer:
             state,
             keep_last=self.cfg.checkpoint.keep_last,
             extra=extra,
-            files={CONFIG_FILE: to_dict(self.cfg)},  # the recipe (resume compares it)
-        )
+            files={CONFIG_FILE: to_dict(self.cfg), P3O_META_FILE: self._model_meta()},
+            copy_dirs={"hf": Path(self.cfg.model.checkpoint) / "hf"},
+        )  # the recipe (resume compares it); what an export needs: description, tokenizer
+
+    def _model_meta(self) -> dict:
+        """The model description of this checkpoint, as the converter writes it (the padded
+        vocabulary does not depend on TP: :func:`model.builder.padded_vocab_size`), so that
+        ``checkpoints_convert.megatron_to_hf`` and ``verify`` read a trained checkpoint as they
+        read a converted one, and a recipe can start from it (``model.checkpoint``)."""
+        from .model.builder import padded_vocab_size
+
+        div = self.build_opts.make_vocab_size_divisible_by
+        vpad = padded_vocab_size(self.desc.vocab_size, self.groups.layout.tp, div)
+        return meta_dict(self.desc, vpad, div, self.build_opts.params_dtype,
+                         source=f"trained from {self.cfg.model.checkpoint}")  # fmt: skip
 
     def _load_rank_state(self, ranks: Dict[str, dict], say) -> dict:
         """Restore this DP rank's cursor and buffer; returns its rollout state. A different DP

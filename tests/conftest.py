@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,9 @@ def base(tmp_path_factory):
     tests measure what a user gets (e2e and the SGLang tier)."""
     from tests.e2e.cli import ENV, ROOT
 
+    made = os.environ.get("P3O_TEST_BASE")  # a developer's base made earlier (not in CI)
+    if made:
+        return Path(made)
     out = tmp_path_factory.mktemp("e2e") / "base"
     r = subprocess.run(
         [sys.executable, str(ROOT / "tools/make_tiny_base.py"), "--out", str(out)],
@@ -87,3 +91,32 @@ Qwen3MoeForCausalLM(cfg).save_pretrained(out / "hf")
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def trained_export(base, tmp_path_factory):
+    """A checkpoint the trainer wrote (not the converter) at TP=2 × PP=2 (torchrun, 4 ranks,
+    2 P3O steps) and its HF export by ``checkpoints_convert.megatron_to_hf --ckpt RUN_DIR``,
+    run from outside the checkout: ``(run dir, export dir)``."""
+    from tests.e2e.cli import ENV, ROOT, torchrun
+
+    d = tmp_path_factory.mktemp("trained")
+    sets = {
+        "model.checkpoint": base / "ckpt", "data.path": base / "train.jsonl",
+        "data.eval_path": base / "heldout.jsonl", "data.eval_every": 0, "steps": 2,
+        "batch.prompts_per_rollout": 8, "run.dir": d, "run.name": "tp2pp2",
+        "parallel.tp": 2, "parallel.pp": 2,
+    }  # fmt: skip
+    cmd = [*torchrun(4), "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml")]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900, cwd=d)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    run = d / "tp2pp2"
+    r = subprocess.run(
+        [sys.executable, "-m", "checkpoints_convert.megatron_to_hf", "--ckpt", str(run),
+         "--out", str(d / "hf")], capture_output=True, text=True, env=ENV, timeout=600, cwd=d,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert json.loads(r.stdout[r.stdout.index("{") :])["checkpoint"].endswith("step_000002")
+    return run, d / "hf"

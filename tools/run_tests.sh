@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fresh virtual environment, install the pinned versions (constraints-cpu.txt), the SGLang
-# serving environment (tools/sglang_env.sh), lint, run the whole test suite (the real SGLang
-# server tier included).
+# serving environment (tools/sglang_env.sh), the wheel installed non-editable and used from
+# outside the checkout (tools/wheel_check.sh; WHEEL_CHECK=0 skips it), lint, run the whole test
+# suite (the real SGLang server tier included).
 # Usage: bash tools/run_tests.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,20 +14,35 @@ sglang_log=.cache/sglang_env.log
 # its own process group (setsid), so that a failed trainer install stops pip inside it too
 setsid -w bash tools/sglang_env.sh > "$sglang_log" 2>&1 &
 sglang_pid=$!
-trap 'kill -- -"$sglang_pid" 2> /dev/null || true' EXIT
+# the wheel (non-editable, its own venv) beside them: also mostly pip's disk I/O
+wheel_log=.cache/wheel_check.log
+wheel_pid=
+if [[ ${WHEEL_CHECK:-1} != 0 ]]; then
+  setsid -w bash tools/wheel_check.sh > "$wheel_log" 2>&1 &
+  wheel_pid=$!
+fi
+trap 'kill -- -"$sglang_pid" 2> /dev/null || true; [[ -z $wheel_pid ]] || kill -- -"$wheel_pid" 2> /dev/null || true' EXIT
 [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -c constraints-cpu.txt -e ".[dev,tasks]"
 sglang_ok=0
 wait "$sglang_pid" || sglang_ok=$?
-trap - EXIT
 if ((sglang_ok != 0)); then
   cat "$sglang_log" >&2
   echo "run_tests: tools/sglang_env.sh failed (log above, also in $sglang_log)" >&2
   exit 1
 fi
 grep -v "^WARNING: Location" "$sglang_log" | tail -3
+if [[ -n $wheel_pid ]]; then
+  wheel_ok=0
+  wait "$wheel_pid" || wheel_ok=$?
+  grep -v "^WARNING: Location" "$wheel_log"
+  if ((wheel_ok != 0)); then
+    echo "run_tests: tools/wheel_check.sh failed (log above, also in $wheel_log)" >&2
+    exit 1
+  fi
+fi
 SGLANG_PYTHON=$(realpath "${SGLANG_VENV:-.venv-sglang}")/bin/python
 export SGLANG_PYTHON
 # SGLang's pinned release, read as text (never imported) by tests/unit/test_sglang_protocol.py
@@ -35,6 +51,7 @@ if ! ls .cache/sglang/sglang-"$SGLANG_PIN"-*.whl > /dev/null 2>&1; then
   python -m pip download -q --no-deps --only-binary=:all: "sglang==$SGLANG_PIN" -d .cache/sglang \
     || echo "warning: sglang $SGLANG_PIN wheel not fetched; the protocol test will be skipped"
 fi
+trap - EXIT
 # lint and format (ruff.toml): a failure here stops the run before the slow suite
 ruff check .
 ruff format --check .

@@ -26,6 +26,25 @@ P3O_META_FILE = "p3o_model.json"  # the model description and vocab padding, nex
 TensorSource = Callable[[TensorMap], torch.Tensor]
 
 
+def meta_dict(
+    desc: ModelDescription,
+    padded_vocab: int,
+    divisible_by: int,
+    dtype: torch.dtype,
+    source: Optional[str] = None,
+) -> dict:
+    """The content of :data:`P3O_META_FILE`: what a reader needs besides the tensors (the model
+    description, the padded vocabulary of the stored embedding, the weights' dtype). The
+    converter and every training checkpoint write it, so both export the same way."""
+    return {
+        "description": desc.to_dict(),
+        "padded_vocab_size": padded_vocab,
+        "make_vocab_size_divisible_by": divisible_by,
+        "params_dtype": str(dtype).replace("torch.", ""),
+        "source": source,
+    }
+
+
 def write_meta(
     ckpt_dir: Path,
     desc: ModelDescription,
@@ -34,25 +53,27 @@ def write_meta(
     dtype: torch.dtype,
     source: Optional[str] = None,
 ) -> None:
-    meta = {
-        "description": desc.to_dict(),
-        "padded_vocab_size": padded_vocab,
-        "make_vocab_size_divisible_by": divisible_by,
-        "params_dtype": str(dtype).replace("torch.", ""),
-        "source": source,
-    }
+    meta = meta_dict(desc, padded_vocab, divisible_by, dtype, source)
     (Path(ckpt_dir) / P3O_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
 
 def read_meta(ckpt_dir: str | Path) -> dict:
+    if not Path(ckpt_dir).is_dir():  # a typo is not "not a checkpoint": say what it is
+        from ..errors import InputFileError
+
+        what = "is a file, not a directory" if Path(ckpt_dir).exists() else "does not exist"
+        raise InputFileError(f"checkpoint directory {ckpt_dir} {what}")
     p = Path(ckpt_dir) / P3O_META_FILE
     if not p.is_file():
         raise CheckpointError(
             f"{ckpt_dir}: no {P3O_META_FILE}; not a checkpoint written by megatron_p3o "
             "(convert it with checkpoints_convert.hf_to_megatron)"
         )
-    meta = json.loads(p.read_text())
-    meta["description"] = ModelDescription.from_dict(meta["description"])
+    try:  # a torn copy or a hand edit: one line naming the file, not a JSONDecodeError
+        meta = json.loads(p.read_text())
+        meta["description"] = ModelDescription.from_dict(meta["description"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{p}: unreadable ({type(e).__name__}: {e})") from None
     return meta
 
 
@@ -187,12 +208,15 @@ def write_checkpoint(
     return calls["n"]
 
 
-def read_checkpoint(ckpt_dir: str | Path) -> Iterator[Tuple[TensorMap, torch.Tensor]]:
-    """Yield (TensorMap, full TP=1 tensor) from a dist checkpoint, one layer's tensors at a time."""
+def read_checkpoint(
+    ckpt_dir: str | Path, meta: Optional[dict] = None
+) -> Iterator[Tuple[TensorMap, torch.Tensor]]:
+    """Yield (TensorMap, full TP=1 tensor) from a dist checkpoint, one layer's tensors at a time;
+    ``meta``: its :func:`read_meta` (default: the checkpoint's own)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    meta = read_meta(ckpt_dir)
+    meta = meta or read_meta(ckpt_dir)
     desc: ModelDescription = meta["description"]
     dtype = getattr(torch, meta["params_dtype"])
     from .mapping import mcore_shape
