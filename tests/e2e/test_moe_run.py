@@ -42,8 +42,37 @@ def test_moe_ep2_with_and_without_routing_replay(moe_base, tmp_path):
     # an fp32 engine routes as the fp32 trainer does (ties aside); bf16 rollouts disagree more
     assert min(m["route_agreement"] for m in off) > 0.99
     assert min(m["route_agreement"] for m in r3) < min(m["route_agreement"] for m in off)
+    _exports_to_transformers(moe_base, tmp_path / "r3", tmp_path / "r3_hf")
     # resume at another EP: the EP=2 run (distributed optimizer, expert-sharded state) goes on
     # in one process at EP=1
     more, out = _run(moe_base, tmp_path, "r3", "optim.distributed_optimizer=true",
                      "parallel.ep=1", "parallel.world_size=null", nproc=1, steps=3)  # fmt: skip
     assert "resumed from" in out and [m["step"] for m in more] == [1, 2, 3]
+
+
+def _exports_to_transformers(base, run, out):
+    """The EP=2 run's trained checkpoint (distributed optimizer, experts sharded) exports to an
+    HF Qwen3-MoE that transformers loads, with the logits of Megatron's forward of the same
+    checkpoint, and weights that training moved away from the base's."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    r = subprocess.run(
+        [sys.executable, "-m", "checkpoints_convert.megatron_to_hf", "--ckpt", str(run),
+         "--out", str(out)], capture_output=True, text=True, env=ENV, cwd=out.parent,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.num_experts == 4
+    trained = load_file(str(next(out.glob("*.safetensors"))))
+    start = load_file(str(next((base / "hf").glob("*.safetensors"))))
+    assert set(trained) == set(start)
+    assert max(float((trained[k] - start[k].float()).abs().max()) for k in start) > 1e-6
+    r = subprocess.run(
+        [sys.executable, "-m", "checkpoints_convert.verify", "--hf", str(out), "--ckpt",
+         str(run), "--seq", "16"], capture_output=True, text=True, env=ENV, cwd=out.parent,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout[r.stdout.index("{") :])
+    assert rep["max_abs_logit_diff"] < 1e-4 and rep["mean_kl"] < 1e-8, rep
