@@ -1,25 +1,128 @@
-"""``python -m megatron_p3o.stress GRID.yaml [--list] [--report-only] [--workers N]`` (also
-under torchrun).
+"""Run a stress grid (objectives × mismatch settings × seeds, each cell a full training run) and
+write its report: ``report.md``, ``cells.csv``, ``steps.csv`` and the plots.
+
+``python -m megatron_p3o.stress GRID.yaml [--out DIR] [--set KEY=VALUE ...] [--list]
+[--report-only] [--workers N]``, also under torchrun.
 
 Runs every cell of the grid that has no ``cell.json`` yet, then writes the report. Interrupt it
 at any time: the same command continues with the unfinished cells. ``--workers N`` runs N cells
 at a time in separate single-process workers (each with cores/N threads: the tiny CPU models are
 overhead-bound, so two one-thread workers beat one two-thread process); each worker logs to
 ``<work>/worker<i>.log``.
+
+Where things go: cells in the grid's ``work`` and the report in its ``out`` — except that a
+grid's ``out`` inside the repository's ``docs/`` (the committed results) is never written
+unless asked: the report then goes to ``<work>/report``, and ``--out docs/...`` writes there.
+``--out DIR`` puts the report in DIR and the cells in ``DIR/cells`` (in the grid's ``work`` when
+DIR is inside ``docs/``: committed results hold reports, not run directories). ``--set
+KEY=VALUE`` (repeatable) is added to the grid's ``set:`` (the overrides on its base recipe, for
+every cell), replacing a key it has; an objective's or a setting's own ``set:`` still wins, so
+the grid's axes stay what they are. Cells remember their ``--set``: a finished cell run with
+other ``--set`` items is refused, not mixed into the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+PROG = "python -m megatron_p3o.stress"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"  # committed results: written only when --out names a folder in it
+
+
+def description(doc: str) -> str:
+    """The whole first paragraph of ``doc`` on one line (argparse re-wraps it)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def in_docs(path) -> bool:
+    """Whether ``path`` (relative to the working directory) lies in the repository's docs/."""
+    return Path(path).resolve().is_relative_to(DOCS.resolve())
+
+
+def parse_sets(items) -> dict:
+    """``["steps=2", "optim.lr=1e-4"]`` → ``{"steps": 2, "optim.lr": 1e-4}`` (values are YAML)."""
+    import yaml
+
+    from megatron_p3o.config import ConfigError
+
+    out = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE (e.g. --set steps=2)")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {e}") from None
+    return out
+
+
+def resolve(grid, out=None, sets=()):
+    """``grid`` with the command line's ``--out`` and ``--set`` applied, and a sentence saying
+    where its cells and report go."""
+    if out:
+        work = grid.work if in_docs(out) else str(Path(out) / "cells")
+        grid = dataclasses.replace(grid, out=str(out), work=work)
+    elif in_docs(grid.out):
+        report = str(Path(grid.work) / "report")
+        note = (
+            f" (the grid's out, {grid.out}, holds committed results: --out {grid.out} to replace)"
+        )
+        grid = dataclasses.replace(grid, out=report)
+        return _with_sets(grid, sets), f"cells: {grid.work}  report: {report}{note}"
+    grid = _with_sets(grid, sets)
+    return grid, f"cells: {grid.work}  report: {grid.out}"
+
+
+def _with_sets(grid, sets):
+    return dataclasses.replace(grid, set={**grid.set, **parse_sets(sets)}) if sets else grid
+
+
+def sets_text(sets) -> str:
+    """How a cell records the ``--set`` items it was run with ("" for none)."""
+    return " ".join(sets)
+
+
+def check_same_sets(grid, todo, sets) -> None:
+    """Refuse finished cells whose recorded ``--set`` items differ from this invocation's."""
+    from megatron_p3o.config import ConfigError
+    from megatron_p3o.stress.runner import finished
+
+    want = sets_text(sets)
+    for c in todo:
+        s = finished(grid, c)
+        if s is not None and s.get("cli_set", "") != want:
+            raise ConfigError(
+                f"cell {c.id} in {grid.work} was run with --set {s.get('cli_set', '') or '(none)'}"
+                f", this invocation has --set {want or '(none)'}: give the same --set items, or "
+                "another --out"
+            )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("grid")
+    ap = argparse.ArgumentParser(prog=PROG, description=description(__doc__))
+    ap.add_argument("grid", help="the grid file (e.g. recipes/stress_smoke_cpu.yaml)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="the report goes to DIR and the cells to DIR/cells (default: the grid's out and "
+        "work; a grid out inside docs/ is replaced by <work>/report unless --out names it)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override on the base recipe of every cell, added to the grid's set: (repeatable)",
+    )
     ap.add_argument(
         "--list", action="store_true", help="validate every cell and list them; run nothing"
     )
@@ -44,7 +147,7 @@ def main(argv=None) -> int:
     from megatron_p3o.stress.report import write_report
     from megatron_p3o.stress.runner import finished, run_cell, step_rows
 
-    grid = load_grid(a.grid)
+    grid, where = resolve(load_grid(a.grid), a.out, a.set)
     todo = cells(grid)
     con = Console(soft_wrap=True)
     for c in todo:
@@ -56,8 +159,11 @@ def main(argv=None) -> int:
         _run_workers(a, grid, todo, con)
         todo = cells(grid)
         a.report_only = True
+    if not a.list:
+        check_same_sets(grid, todo, a.set)
     if a.list or a.report_only:
         if a.list:
+            con.print(where)
             for c in todo:
                 con.print(f"{'done' if finished(grid, c) else 'todo'}  {c.id}")
             con.print(f"{len(todo)} cells, {sum(finished(grid, c) is None for c in todo)} to run")
@@ -88,6 +194,8 @@ def main(argv=None) -> int:
                 cfg = cell_config(grid, c, world)
                 st = bar.add_task(f"  {c.id}", total=cfg.steps)
                 prov = provenance(a.grid, cfg.model.checkpoint)
+                if a.set:  # a finished cell remembers them (check_same_sets)
+                    prov["cli_set"] = sets_text(a.set)
                 s = run_cell(
                     grid, c, cfg, rank, on_step=lambda m, st=st: bar.advance(st), provenance=prov
                 )
@@ -106,15 +214,14 @@ def main(argv=None) -> int:
         con.print("no finished cells yet")
         return 1
     steps = {c.id: step_rows(grid, c) for c, s in done if s is not None}
-    path = write_report(grid, rows, steps, sum(r["wall_s"] for r in rows), a.grid)
+    how = " ".join([a.grid] + [f"--set {x}" for x in a.set])
+    path = write_report(grid, rows, steps, sum(r["wall_s"] for r in rows), how)
     con.print(f"report: {path}  ({len(rows)}/{len(todo)} cells)")
     return 0
 
 
 def _run_workers(a, grid, todo, con) -> None:
     """Start ``a.workers`` worker processes over disjoint cells and follow their progress."""
-    from pathlib import Path
-
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from megatron_p3o.stress.runner import finished
@@ -128,6 +235,7 @@ def _run_workers(a, grid, todo, con) -> None:
     for i in range(n):
         log = open(work / f"worker{i}.log", "a")
         cmd = [sys.executable, "-m", "megatron_p3o.stress", a.grid, "--worker", f"{i}/{n}"]
+        cmd += (["--out", a.out] if a.out else []) + [x for s in a.set for x in ("--set", s)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     t0 = time.perf_counter()
     before = sum(finished(grid, c) is not None for c in todo)

@@ -138,3 +138,100 @@ def test_small_grid_runs_resumes_and_reports(base, tmp_path):
     assert n.split("/")[0] == n.split("/")[1] and int(n.split("/")[0]) > 30, line
     bad = subprocess.run(tool + ["--cells", "nope"], capture_output=True, text=True, env=ENV)
     assert bad.returncode == 2 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _stress(*args, timeout=600):
+    cmd = [sys.executable, "-m", "megatron_p3o.stress", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.e2e
+def test_help_shows_the_whole_description_and_the_prog():
+    from megatron_p3o.stress import __main__ as tool
+
+    r = _stress("--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("usage: python -m megatron_p3o.stress ")
+    first = tool.description(tool.__doc__)
+    assert first.endswith("and the plots.") and _words(first) in _words(r.stdout)
+    for flag in ("--out DIR", "--set KEY=VALUE", "--workers", "--list", "--report-only"):
+        assert flag in r.stdout, flag
+    # the serving CLI the Slurm script runs: its description is a whole sentence, not a cut line
+    serve = [sys.executable, "-m", "megatron_p3o.rollout.sglang.serve", "--help"]
+    s = subprocess.run(serve, capture_output=True, text=True, env=ENV, timeout=300)
+    assert s.returncode == 0, s.stderr[-2000:]
+    assert "for a batch script that places them on other nodes" in _words(s.stdout)
+
+
+@pytest.mark.e2e
+def test_out_and_set_and_docs_are_never_written_unasked(tmp_path, monkeypatch):
+    """Where cells and reports go (the shipped grids' committed reports in docs/ only with an
+    explicit --out), and what --set changes, checked on the shipped grids without running."""
+    from megatron_p3o.config import ConfigError
+    from megatron_p3o.stress import __main__ as tool
+    from megatron_p3o.stress.grid import cell_config, cells, load_grid
+
+    monkeypatch.chdir(ROOT)
+    shipped = sorted(ROOT.glob("recipes/stress_*.yaml"))
+    assert len(shipped) > 5
+    for path in shipped:  # no shipped grid writes into docs/ by default
+        grid, where = tool.resolve(load_grid(path))
+        assert not tool.in_docs(grid.out) and not tool.in_docs(grid.work), (path, where)
+    tiny = load_grid(ROOT / "recipes/stress_tiny_cpu.yaml")
+    assert tool.in_docs(tiny.out)  # the committed report...
+    grid, where = tool.resolve(tiny)
+    assert grid.out == "runs/stress_tiny_cpu/report" and grid.work == tiny.work
+    assert f"--out {tiny.out}" in where  # ...says how to replace it
+    grid, _ = tool.resolve(tiny, out=tiny.out)  # asked: the report there, the cells in runs/
+    assert grid.out == tiny.out and grid.work == tiny.work
+    grid, _ = tool.resolve(tiny, out=tmp_path / "mine", sets=["steps=2", "optim.lr=1e-4"])
+    assert grid.out == str(tmp_path / "mine") and grid.work == str(tmp_path / "mine" / "cells")
+    assert grid.set["steps"] == 2  # a YAML value, as a recipe's
+    assert grid.set["batch.prompts_per_rollout"] == 16  # the grid's other keys stay
+    by_id = {c.id: c for c in cells(grid)}
+    cfg = cell_config(grid, by_id["p3o__fp8__s1"])
+    assert cfg.steps == 2 and cfg.optim.lr == 1e-4
+    assert cfg.rollout.precision == "fp8_w8a8"  # a setting's own set: still wins
+    assert cfg.run.dir == str(tmp_path / "mine" / "cells")
+    for bad in ("steps", "=2", "steps=[1"):
+        with pytest.raises(ConfigError, match="--set"):
+            tool.resolve(tiny, sets=[bad])
+    # through the CLI: --list says where things go; a key no recipe has is one line, exit 2
+    smoke = ROOT / "recipes/stress_smoke_cpu.yaml"
+    r = _stress(smoke, "--list", "--out", tmp_path / "o", "--set", "steps=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"cells: {tmp_path / 'o' / 'cells'}  report: {tmp_path / 'o'}" in r.stdout
+    assert "2 cells, 2 to run" in r.stdout
+    r = _stress(smoke, "--list", "--set", "optim.no_such_key=1")
+    assert r.returncode == 2 and "no_such_key" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.e2e
+def test_smoke_grid_runs_with_out_and_set(base, tmp_path):
+    """The shipped smoke grid end to end with --out and --set (the test's base model, 2 steps);
+    a later invocation with other --set items is refused instead of mixing cells."""
+    smoke = ROOT / "recipes/stress_smoke_cpu.yaml"
+    sets = [
+        f"model.checkpoint={base / 'ckpt'}",
+        f"data.path={base / 'train.jsonl'}",
+        f"data.eval_path={base / 'heldout.jsonl'}",
+        "steps=2",
+    ]
+    flags = [x for s in sets for x in ("--set", s)]
+    out = tmp_path / "smoke"
+    r = _stress(smoke, "--out", out, "--workers", "2", *flags)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "cells.csv")))
+    assert sorted(x["cell"] for x in rows) == ["grpo__bf16__s1", "p3o__bf16__s1"]
+    assert all(x["status"] == "ok" and x["steps"] == "2" for x in rows)
+    assert all(x["cli_set"] == " ".join(sets) for x in rows)
+    assert (out / "cells" / "p3o__bf16__s1" / "cell.json").is_file()
+    assert (out / "report.md").stat().st_size and (out / "reward_vs_step.png").stat().st_size
+    assert "--set steps=2" in (out / "report.md").read_text().splitlines()[2]
+    again = _stress(smoke, "--out", out, "--report-only", *flags[:-2])
+    assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "was run with --set" in again.stderr and "Traceback" not in again.stderr

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         server_env,
     )
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":"))
     ap.add_argument("what", choices=["server", "router"])
     ap.add_argument("recipe")
     ap.add_argument("--port", type=int, required=True)
