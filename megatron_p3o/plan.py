@@ -37,6 +37,7 @@ from .model.description import ModelDescription
 
 GiB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+HEADROOM = 0.9  # a plan fits when its estimate stays under 90% of the GPU
 
 
 def describe_model(cfg: TrainConfig) -> Tuple[ModelDescription, int]:
@@ -209,7 +210,9 @@ def format_plan(
             "  (reference model: one more no-grad forward per optimizer step, ≈ 1/3 of its "
             f"compute; reset {'every ' + str(every) + ' steps' if every else 'never'})"
         )
-    verdict = "fits" if plan.total_gib <= gpu_gib * 0.9 else "DOES NOT FIT (keep ≥ 10% headroom)"
+    verdict = (
+        "fits" if plan.total_gib <= gpu_gib * HEADROOM else "DOES NOT FIT (keep ≥ 10% headroom)"
+    )
     lines.append(f"  {'total':<12} {plan.total_gib:8.2f} GiB of {gpu_gib:.0f} GiB — {verdict}")
     return lines
 
@@ -227,15 +230,163 @@ def colocated_rollout_gib(cfg: TrainConfig, plan: Plan, gpu_gib: float) -> Dict[
     return {"trainer": resident, "server": r.sglang.mem_fraction_static * gpu_gib}
 
 
-def dry_run(recipe: str, cfg: TrainConfig, world_size: int, gpu_gib: float) -> int:
-    """``train --dry-run``: the layout and batch checks and the memory estimate, printed; a
-    colocated server that cannot fit next to the trainer is refused."""
+def _with(cfg: TrainConfig, section: str, **changes) -> TrainConfig:
+    from dataclasses import replace
+
+    return replace(cfg, **{section: replace(getattr(cfg, section), **changes)})
+
+
+def _candidates(cfg: TrainConfig, world: int):
+    """One-knob changes, cheapest first: ``(--set text, config, world)``. Switches that cost
+    nothing (sequence parallelism, the distributed optimizer, bf16 gradient reduction when
+    training in 16 bits), a smaller micro-batch or token budget, more model parallelism on the
+    same GPUs, then more GPUs."""
+    p, b, o = cfg.parallel, cfg.batch, cfg.optim
+    switches = [
+        ("parallel", "sequence_parallel", True, p.tp > 1 and not p.sequence_parallel),
+        ("optim", "distributed_optimizer", True, not o.distributed_optimizer),
+        ("optim", "grad_reduce_in_fp32", False,
+         o.grad_reduce_in_fp32 and cfg.model.params_dtype != "float32"),
+    ]  # fmt: skip
+    for section, key, value, useful in switches:
+        if useful:
+            yield (
+                f"{section}.{key}={str(value).lower()}",
+                _with(cfg, section, **{key: value}),
+                world,
+            )
+    if b.max_tokens_per_gpu is not None:
+        key, now = "max_tokens_per_gpu", b.max_tokens_per_gpu
+    else:
+        key, now = "micro_batch_size", b.micro_batch_size
+    for f in (2, 4, 8):
+        if now // f >= 1:
+            yield f"batch.{key}={now // f}", _with(cfg, "batch", **{key: now // f}), world
+    for f in (2, 4, 8):
+        yield f"parallel.tp={p.tp * f}", _with(cfg, "parallel", tp=p.tp * f), world
+        yield f"parallel.pp={p.pp * f}", _with(cfg, "parallel", pp=p.pp * f), world
+    for f in (2, 4, 8):
+        yield (
+            f"parallel.world_size={world * f}",
+            _with(cfg, "parallel", world_size=world * f),
+            (world * f),
+        )
+
+
+def _total(cfg: TrainConfig, world: int, desc, div: int):
+    try:
+        return make_plan(cfg, world, desc, div).total_gib
+    except (ConfigError, ValueError, ZeroDivisionError):
+        return None  # not a valid layout or batch split with this change
+
+
+def fixes_that_fit(cfg: TrainConfig, world: int, desc, div: int, gpu_gib: float, most: int = 2):
+    """Up to ``most`` of the smallest changes after which the estimate fits, as
+    ``[(--set items, total GiB)]``: single changes in :func:`_candidates`' order, else pairs of
+    them (fewest GPUs first, then the one closest to the limit: the least change)."""
+    limit = HEADROOM * gpu_gib
+    singles = []
+    for text, c, w in _candidates(cfg, world):
+        total = _total(c, w, desc, div)
+        if total is not None and total <= limit:
+            singles.append((text, total))
+    if singles:
+        return singles[:most]
+    pairs = {}
+    for text, c, w in _candidates(cfg, world):
+        for text2, c2, w2 in _candidates(c, w):
+            if text2.split("=")[0] == text.split("=")[0]:
+                continue
+            total = _total(c2, w2, desc, div)
+            key = frozenset((text, text2))
+            if total is not None and total <= limit and key not in pairs:
+                pairs[key] = (w2, -total, f"{text} --set {text2}")
+    best = sorted(pairs.values())[:most]  # fewest GPUs, then the least change (most used)
+    return [(text, -neg) for _, neg, text in best]
+
+
+def does_not_fit(cfg: TrainConfig, plan: Plan, world: int, desc, div: int, gpu_gib: float):
+    """The one-line refusal of a plan over the headroom: its largest items and the smallest
+    changes that fit."""
+    top = sorted(plan.gib.items(), key=lambda kv: -kv[1])[:3]
+    items = ", ".join(f"{k} {v:.1f}" for k, v in top)
+    fixes = fixes_that_fit(cfg, world, desc, div, gpu_gib)
+    how = (
+        "fits with --set " + " or --set ".join(f"{t} ({g:.1f} GiB)" for t, g in fixes)
+        if fixes
+        else "no change of one or two of TP, PP, micro-batch or GPU count makes it fit"
+    )
+    return ConfigError(
+        f"does not fit: {plan.total_gib:.1f} GiB per GPU > {HEADROOM:.0%} of {gpu_gib:g} GiB "
+        f"(largest: {items} GiB); {how}"
+    )
+
+
+def placement(cfg: TrainConfig, world: int, gpus_per_node: int, nodes: int | None) -> str:
+    """Where the trainer and the rollout servers run, as ``tools/slurm/p3o.sbatch`` places
+    them: training on the first world/gpus_per_node nodes (or GPUs 0..world−1 of one node), one
+    SGLang server per ``tp_size`` GPUs on every other GPU of the job."""
+    r, g = cfg.rollout, gpus_per_node
+    train_nodes = max(1, -(-world // g))
+    train = f"trainer {world} GPU{'s' * (world > 1)} ({train_nodes} node{'s' * (train_nodes > 1)})"
+    if r.engine != "sglang":
+        return f"GPUs: {train}; rollouts: the embedded engine inside the trainer's processes"
+    sg = r.sglang
+    if sg.url is not None:
+        return f"GPUs: {train}; rollouts: the SGLang server attached at {sg.url} (not counted)"
+    if r.weight_sync == "colocated":
+        return f"GPUs: {train}; rollouts: a colocated SGLang server on the trainer's GPUs"
+    if sg.device == "cpu":
+        return f"GPUs: {train}; rollouts: one SGLang server on the CPU"
+    tp = sg.tp_size
+    if world < g:  # one node: the servers take the GPUs training leaves free
+        servers = (g - world) // tp
+        if servers < 1:
+            raise ConfigError(
+                f"rollout.sglang.tp_size={tp}: a {g}-GPU node training on {world} GPUs has "
+                f"{g - world} left for SGLang servers (--gpus-per-node {g})"
+            )
+        rollout_nodes, where = 0, "on the same node"
+    else:
+        rollout_nodes = max(1, (nodes or train_nodes + 1) - train_nodes)
+        servers, where = rollout_nodes * (g // tp), f"on {rollout_nodes} node(s)"
+    total_nodes = train_nodes + rollout_nodes
+    if nodes is not None and nodes < total_nodes:
+        raise ConfigError(
+            f"--nodes {nodes}: the recipe trains on {train_nodes} node(s) of {g} GPUs and "
+            f"needs at least one more for its SGLang servers ({total_nodes} in all)"
+        )
+    least = "at least " if nodes is None and world >= g else ""
+    more = f"; every node past the {train_nodes} training ones serves" if least else ""
+    return (
+        f"GPUs: {train} + rollout {servers * tp} ({servers} SGLang server"
+        f"{'s' * (servers > 1)} × tp {tp}, {where}) = {least}{total_nodes} node"
+        f"{'s' * (total_nodes > 1)} × {g} GPUs, {total_nodes * g} in all "
+        f"(sbatch --nodes {total_nodes} tools/slurm/p3o.sbatch RECIPE{more})"
+    )
+
+
+def dry_run(
+    recipe: str,
+    cfg: TrainConfig,
+    world_size: int,
+    gpu_gib: float,
+    gpus_per_node: int = 8,
+    nodes: int | None = None,
+) -> int:
+    """``train --dry-run``: the layout and batch checks, the memory estimate and the placement,
+    printed; a plan over the headroom, or a colocated server that cannot fit next to the
+    trainer, is refused (one line, exit 2) after the breakdown is printed."""
     desc, div = describe_model(cfg)
     plan = make_plan(cfg, world_size, desc, div)
     lines = format_plan(cfg, plan, desc, gpu_gib)
+    lines.append(placement(cfg, world_size, gpus_per_node, nodes))
+    if plan.total_gib > HEADROOM * gpu_gib:
+        print("\n".join(lines))  # the breakdown, then the one-line refusal on stderr
+        raise does_not_fit(cfg, plan, world_size, desc, div, gpu_gib)
     co = colocated_rollout_gib(cfg, plan, gpu_gib)
     if co:
-        total, limit = co["trainer"] + co["server"], 0.9 * gpu_gib
+        total, limit = co["trainer"] + co["server"], HEADROOM * gpu_gib
         frac = cfg.rollout.sglang.mem_fraction_static
         lines.append(
             f"while the colocated server generates: trainer {co['trainer']:.2f} GiB resident + "

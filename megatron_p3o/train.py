@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="check layout, batch, memory; exit")
     ap.add_argument("--world-size", type=int, help="with --dry-run: GPUs to plan for")
     ap.add_argument("--gpu-gib", type=float, default=80.0, help="with --dry-run: GPU memory")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: for placement")
+    ap.add_argument("--nodes", type=int, help="with --dry-run: nodes the job gets (sbatch --nodes)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
     from megatron_p3o.config import load_config
@@ -32,7 +34,7 @@ def main(argv=None) -> int:
         from megatron_p3o.plan import dry_run
 
         world = a.world_size or cfg.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        return dry_run(a.recipe, cfg, world, a.gpu_gib)
+        return dry_run(a.recipe, cfg, world, a.gpu_gib, a.gpus_per_node, a.nodes)
     import torch
     import torch.distributed as dist
     from rich.console import Console
