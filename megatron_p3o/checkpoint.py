@@ -334,6 +334,25 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpt
 
 
+def finished_checkpoint(run_dir: str | Path, steps: int, evaluated: bool) -> Path | None:
+    """The checkpoint of a finished run: ``latest`` is at ``steps`` or beyond and, when the run
+    evaluates (``evaluated``), ``eval.jsonl`` holds its held-out accuracy at that step (a run
+    stopped between its last save and its final evaluation is not finished). Else None."""
+    pointer = Path(run_dir) / "checkpoints" / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not _STEP_DIR.fullmatch(name) or int(name[len("step_") :]) < steps:
+        return None
+    step = int(name[len("step_") :])
+    if evaluated:
+        log = Path(run_dir) / "eval.jsonl"
+        rows = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+        if not any(r.get("step") == step and "eval/heldout_accuracy" in r for r in rows):
+            return None
+    return pointer.parent / name
+
+
 def load_training_checkpoint(ckpt: Path, chunks, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG; returns the trainer state."""
     from megatron.core import dist_checkpointing

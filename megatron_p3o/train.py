@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     from megatron_p3o.parallel import init_distributed, initialize
     from megatron_p3o.trainer import Trainer
 
+    if _finished(cfg):
+        return 0
     if cfg.parallel.tp > 1:  # Megatron's TP comm/compute overlap needs one CUDA queue
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     init_distributed()
@@ -73,6 +75,20 @@ def main(argv=None) -> int:
         trainer.close()
 
 
+def _finished(cfg) -> bool:
+    """A finished run says so and builds nothing (no model, no servers, no new eval rows)."""
+    from pathlib import Path
+
+    from megatron_p3o.checkpoint import finished_checkpoint
+
+    run = Path(cfg.run.dir) / cfg.run.name
+    done = finished_checkpoint(run, cfg.steps, bool(cfg.data.eval_path))
+    if done is not None and os.environ.get("RANK", "0") == "0":
+        print(f"{run} finished: {done.name} is checkpointed at steps={cfg.steps} ({done}); "
+              "nothing to do (--set steps=N to train on)")  # fmt: skip
+    return done is not None
+
+
 def _stopped(trainer, con, reason: str) -> int:
     """A graceful stop (megatron_p3o.preemption): a checkpoint of this step, then exit 75."""
     from megatron_p3o.checkpoint import latest_checkpoint
@@ -87,6 +103,8 @@ def _stopped(trainer, con, reason: str) -> int:
 
 
 def _train(cfg, trainer, con, stop) -> int:
+    import time
+
     from rich.progress import Progress
 
     from megatron_p3o.checkpoint import latest_checkpoint
@@ -102,12 +120,14 @@ def _train(cfg, trainer, con, stop) -> int:
     if d.eval_path:
         acc[trainer.step_idx] = trainer.evaluate(d.eval_path)
         con.print(f"held-out accuracy before training: {acc[trainer.step_idx]:.3f}")
+    start, first = time.monotonic(), trainer.step_idx
     with Progress(console=con, disable=con.quiet) as bar:
         task = bar.add_task(f"{cfg.loss.objective}", total=cfg.steps, completed=trainer.step_idx)
         for _ in range(max(cfg.steps - trainer.step_idx, 0)):
             m = trainer.step()
             bar.advance(task)
-            con.print(step_line(m))
+            per_step = (time.monotonic() - start) / (m["step"] - first)
+            con.print(step_line(m, cfg.steps, per_step * (cfg.steps - m["step"])))
             if d.eval_path and d.eval_every and m["step"] % d.eval_every == 0:
                 acc[m["step"]] = trainer.evaluate(d.eval_path)
                 con.print(f"held-out accuracy at step {m['step']}: {acc[m['step']]:.3f}")
@@ -116,7 +136,7 @@ def _train(cfg, trainer, con, stop) -> int:
             reason = stop.agreed()
             if reason is not None and m["step"] < cfg.steps:
                 return _stopped(trainer, con, reason)
-    if d.eval_path:
+    if d.eval_path and trainer.step_idx not in acc:  # not twice when eval_every divides steps
         acc[trainer.step_idx] = trainer.evaluate(d.eval_path)
     ckpt = latest_checkpoint(trainer.run_dir)
     if ckpt is None or ckpt.name != f"step_{trainer.step_idx:06d}":

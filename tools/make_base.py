@@ -175,6 +175,7 @@ def main(argv=None) -> int:
                     f"({time.time() - t0:.0f} s)"
                 )
                 if acc >= a.target_acc:
+                    bar.update(task, total=step)  # reached early: the bar ends at 100%
                     break
     sft_s = time.time() - t0
     if acc < a.target_acc:
