@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from megatron_p3o.errors import OutputExistsError
+from megatron_p3o.errors import OutputExistsError, count_arg
 
 HF_SUBDIR = "hf"  # config.json + tokenizer files of the source model, inside the checkpoint
 
@@ -83,15 +83,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
-    ap.add_argument("--tp", type=int, default=1, help="TP the checkpoint must support")
-    ap.add_argument("--pp", type=int, default=1, help="PP the checkpoint must support")
+    ap.add_argument("--tp", type=count_arg, default=1, help="TP the checkpoint must support")
+    ap.add_argument("--pp", type=count_arg, default=1, help="PP the checkpoint must support")
     ap.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default=None,
         help="stored dtype (default: the HF checkpoint's)",
     )
-    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    ap.add_argument("--make-vocab-size-divisible-by", type=count_arg, default=128)
     ap.add_argument(
         "--verify",
         action="store_true",

@@ -43,6 +43,11 @@ def megatron_logits(ckpt_dir: str, ids: torch.Tensor, groups=None) -> torch.Tens
 def verify(hf_dir: str, ckpt_dir: str, seq: int = 64, prompts: int = 4, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from megatron_p3o.hf.safetensors_io import HFCheckpointReader
+
+    # a missing or broken HF directory is one line naming it (transformers would take the path
+    # for a hub repo id and raise an OSError traceback); no tensor is loaded here
+    HFCheckpointReader(hf_dir)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, hf.config.vocab_size, (prompts, seq), generator=g)

@@ -22,7 +22,7 @@ import yaml
 from .advantage import AdvantageConfig
 from .batching import BatchConfig
 from .checkpoint import CheckpointConfig
-from .errors import UserError
+from .errors import InputFileError, UserError, read_user_text
 from .evaluation import EvalConfig
 from .model.builder import ModelConfig
 from .optim import OptimConfig
@@ -34,7 +34,7 @@ from .replay import ReplayConfig
 from .reward.registry import RewardConfig
 from .rollout.config import RolloutConfig
 from .rollout.prompts import DataConfig
-from .run_log import WandbConfig
+from .run_log import WandbConfig, check_wandb
 
 
 class ConfigError(UserError, ValueError):
@@ -101,6 +101,8 @@ class TrainConfig:
         from .loss import build_objective
         from .parallel import LayoutError
 
+        check_ranges(self)  # also for a config built in code, not loaded from a recipe
+        check_wandb(self.wandb)  # no login: refused now, not after the model is built
         self._check_sglang(world_size)
         if (
             self.rollout.weight_sync == "disk"
@@ -111,35 +113,12 @@ class TrainConfig:
                 "rollout.weight_sync=disk needs rollout.weight_sync_dir (a directory every "
                 "node and the SGLang servers can read)"
             )
-        for path, v, lo in (
-            ("steps", self.steps, 1),
-            ("rollout.n_samples", self.rollout.n_samples, 1),
-            ("rollout.embedded_max_batch", self.rollout.embedded_max_batch, 1),
-            ("rollout.sync_every", self.rollout.sync_every, 1),
-            ("rollout.max_staleness", self.rollout.max_staleness, 0),
-            ("rollout.dynamic_max_rounds", self.rollout.dynamic_max_rounds, 0),
-            ("batch.prompts_per_rollout", self.batch.prompts_per_rollout, 1),
-            ("batch.minibatches", self.batch.minibatches, 1),
-            ("batch.epochs", self.batch.epochs, 1),
-            ("batch.micro_batch_size", self.batch.micro_batch_size, 1),
-            ("model.seq_length", self.model.seq_length, 2),
-        ):
-            if v < lo:
-                raise ConfigError(f"{path}={v} must be >= {lo}")
         _choice("optim.moments_dtype", self.optim.moments_dtype, ("float32", "bfloat16"))
         if self.optim.moments_dtype != "float32" and not self.optim.distributed_optimizer:
             raise ConfigError(
                 "optim.moments_dtype=bfloat16 (precision-aware optimizer) needs "
                 "optim.distributed_optimizer: true"
             )
-        if self.model.moe_aux_loss_coeff < 0:
-            raise ConfigError(
-                f"model.moe_aux_loss_coeff={self.model.moe_aux_loss_coeff} must be >= 0"
-            )
-        if self.rollout.logprob_noise < 0:
-            raise ConfigError(f"rollout.logprob_noise={self.rollout.logprob_noise} must be >= 0")
-        if self.rollout.logit_noise < 0:
-            raise ConfigError(f"rollout.logit_noise={self.rollout.logit_noise} must be >= 0")
         if self.rollout.fp8_kv_cache and not self.rollout.precision.startswith("fp8"):
             raise ConfigError(
                 f"rollout.fp8_kv_cache needs an fp8 rollout.precision, got "
@@ -150,18 +129,11 @@ class TrainConfig:
                 "rollout.logit_noise perturbs the embedded engine's logits; SGLang has no such "
                 "knob (use rollout.engine=embedded)"
             )
-        if self.rollout.engine_temperature is not None and not self.rollout.engine_temperature > 0:
-            raise ConfigError(
-                f"rollout.engine_temperature={self.rollout.engine_temperature} must be > 0"
-            )
-        try:
-            self.replay.check()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         try:
             obj = build_objective(self.loss.objective, **self.loss.hyper)
         except ValueError as e:
-            raise ConfigError(f"loss: {e}") from None
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith("loss.") else f"loss: {msg}") from None
         self._check_objective_sampling(obj)
         if self.parallel.world_size is not None and self.parallel.world_size != world_size:
             raise ConfigError(
@@ -279,6 +251,9 @@ class TrainConfig:
                 "the trainer) or null"
             )
         if r.engine == "sglang":
+            _check_url("rollout.sglang.url", r.sglang.url)
+            for i, u in enumerate(r.sglang_workers):
+                _check_url(f"rollout.sglang_workers[{i}]", u)
             self._check_sglang_device()
 
     def _check_sglang_device(self) -> None:
@@ -287,9 +262,6 @@ class TrainConfig:
         from .rollout.sglang.weights import resolve_backend
 
         r, sg = self.rollout, self.rollout.sglang
-        for key in ("servers", "request_batch", "max_concurrency"):
-            if getattr(sg, key) < 1:
-                raise ConfigError(f"rollout.sglang.{key}={getattr(sg, key)} must be >= 1")
         if sg.servers > 1 and sg.url is not None:
             raise ConfigError(
                 f"rollout.sglang.servers={sg.servers} with rollout.sglang.url: an attached fleet "
@@ -371,6 +343,130 @@ class TrainConfig:
             f"{per_step} = dp {dp} × micro-batch {b.micro_batch_size} × {micro} micro-batches "
             f"padded to {self.model.seq_length} tokens"
         )
+
+
+# -- value ranges -------------------------------------------------------------------------------
+
+# Every numeric recipe value with an obvious valid range, by the dotted key the user writes. Why
+# a table checked at load time: a negative lr passed --dry-run and the real run died after
+# building the model, in a 35-line torch traceback; a count of 0 ended in a ZeroDivisionError.
+# None (an optional value left unset) is not checked. Sampling parameters, the overlong reward,
+# r2po steps and the replay policy check themselves (SamplingParams, OverlongConfig, ...).
+_RULES = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    ">= 2": lambda v: v >= 2,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "a port in [1, 65535]": lambda v: 1 <= v <= 65535,
+    "in [0, 65535] (0: a free port)": lambda v: 0 <= v <= 65535,
+}
+RANGES: Tuple[Tuple[str, str], ...] = (
+    ("steps", ">= 1"),
+    ("model.seq_length", ">= 2"),
+    ("model.moe_aux_loss_coeff", ">= 0"),
+    *((f"parallel.{k}", ">= 1") for k in ("tp", "pp", "cp", "ep", "vpp", "etp", "world_size")),
+    ("optim.lr", "> 0"),
+    ("optim.min_lr", ">= 0"),
+    ("optim.weight_decay", ">= 0"),
+    ("optim.adam_beta1", "in [0, 1)"),
+    ("optim.adam_beta2", "in [0, 1)"),
+    ("optim.adam_eps", "> 0"),
+    ("optim.clip_grad", ">= 0"),
+    ("optim.lr_warmup_steps", ">= 0"),
+    ("optim.lr_decay_steps", ">= 1"),
+    ("loss.prepass_fuse", ">= 1"),
+    ("loss.logprob_chunk", ">= 1"),
+    ("rollout.embedded_max_batch", ">= 1"),
+    ("rollout.n_samples", ">= 1"),
+    ("rollout.sync_every", ">= 1"),
+    ("rollout.max_staleness", ">= 0"),
+    ("rollout.dynamic_max_rounds", ">= 0"),
+    ("rollout.logprob_noise", ">= 0"),
+    ("rollout.logit_noise", ">= 0"),
+    ("rollout.engine_temperature", "> 0"),
+    ("rollout.weight_sync_port", "a port in [1, 65535]"),
+    ("rollout.sglang.mem_fraction_static", "in (0, 1]"),
+    ("rollout.sglang.max_total_tokens", ">= 1"),
+    ("rollout.sglang.tp_size", ">= 1"),
+    ("rollout.sglang.port", "a port in [1, 65535]"),
+    ("rollout.sglang.router_port", "in [0, 65535] (0: a free port)"),
+    ("rollout.sglang.servers", ">= 1"),
+    ("rollout.sglang.startup_timeout_s", "> 0"),
+    ("rollout.sglang.request_timeout_s", "> 0"),
+    ("rollout.sglang.max_concurrency", ">= 1"),
+    ("rollout.sglang.request_batch", ">= 1"),
+    ("rollout.sglang.max_retries", ">= 0"),
+    ("rollout.sglang.max_restarts", ">= 0"),
+    ("data.eval_every", ">= 0"),
+    ("data.task_train_size", ">= 1"),
+    ("data.task_heldout_size", ">= 1"),
+    ("advantage.eps", ">= 0"),
+    ("batch.prompts_per_rollout", ">= 1"),
+    ("batch.minibatches", ">= 1"),
+    ("batch.epochs", ">= 1"),
+    ("batch.micro_batch_size", ">= 1"),
+    ("batch.max_tokens_per_gpu", ">= 1"),
+    ("checkpoint.every", ">= 0"),
+    ("checkpoint.keep_last", ">= 0"),
+    ("reference.reset_every", ">= 0"),
+    ("r2po.head_clip", "> 0"),
+    ("r2po.head_kl_coef", ">= 0"),
+    ("r2po.head.lr", "> 0"),
+    ("r2po.head.weight_decay", ">= 0"),
+    ("r2po.head.clip_grad", ">= 0"),
+    ("r2po.head.init_std", ">= 0"),
+    ("eval.every", ">= 0"),
+)
+
+
+def _value_at(cfg, path: str):
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_ranges(cfg: "TrainConfig") -> None:
+    """Every value of :data:`RANGES` in its range (and finite), one line naming the first that
+    is not, e.g. ``optim.lr=-0.001 must be > 0``; then the few ranges between two values."""
+    import math
+
+    for path, rule in RANGES:
+        v = _value_at(cfg, path)
+        if v is None:
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{path}={v} must be a finite number")
+        if not _RULES[rule](v):
+            raise ConfigError(f"{path}={v} must be {rule}")
+    o = cfg.optim
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be <= optim.lr={o.lr}")
+    _choice(
+        "optim.lr_decay_style", o.lr_decay_style,
+        ("constant", "linear", "cosine", "inverse-square-root"),
+    )  # fmt: skip
+    try:
+        cfg.replay.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_url(path: str, url: Optional[str]) -> None:
+    """``http(s)://host:port``: without a scheme urllib raises ``unknown url type`` mid-run."""
+    from urllib.parse import urlsplit
+
+    if url is None:
+        return
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{path}={url!r} is not a URL like http://HOST:PORT")
 
 
 def _choice(path: str, value, choices: Sequence) -> None:
@@ -469,7 +565,24 @@ def _build(cls, data: dict, prefix: str = ""):
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+        raise ConfigError(_at(prefix, str(e), names)) from None
+
+
+def _at(prefix: str, msg: str, names: Sequence[str]) -> str:
+    """A component's own check (``__post_init__``) says ``temperature=0 …`` or
+    ``sampling.temperature=0 …``; the user wrote ``rollout.sampling.temperature``: name it so."""
+    if not prefix:
+        return f"config: {msg}"
+    head = re.match(r"[A-Za-z_][\w.]*", msg)
+    key = head.group(0) if head else ""
+    if key.startswith(prefix + ".") or key == prefix:
+        return msg
+    last = prefix.rsplit(".", 1)[-1]
+    if key.startswith(last + "."):
+        return prefix + msg[len(last) :]
+    if key.split(".", 1)[0] in names:
+        return f"{prefix}.{msg}"
+    return f"{prefix}: {msg}"
 
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
@@ -493,15 +606,19 @@ def load_config(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Tr
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"recipe {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = read_user_text(p, "recipe")
+        except InputFileError as e:
+            raise ConfigError(str(e)) from None
+        try:
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {p}: invalid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {p}: the top level must be a mapping")
-    return resolve_task(_build(TrainConfig, apply_overrides(data, overrides)))
+    cfg = _build(TrainConfig, apply_overrides(data, overrides))
+    check_ranges(cfg)  # before data.task writes its splits, and before anything is built
+    return resolve_task(cfg)
 
 
 def resolve_task(cfg: TrainConfig) -> TrainConfig:
@@ -543,6 +660,8 @@ RESUME_FREE = (
     "model.checkpoint", "model.hf_config", "rollout.sglang.", "rollout.sglang_workers",
     "rollout.weight_sync", "rollout.device",
 )  # fmt: skip
+# ... except these: the seed orders the prompts, so another seed changes the data mid-epoch
+RESUME_BOUND = ("run.seed",)
 
 
 def _flat(d: dict, prefix: str = "") -> Dict[str, Any]:
@@ -562,5 +681,5 @@ def config_changes(saved: dict, now: dict) -> List[Tuple[str, Any, Any]]:
     return [
         (k, a.get(k), b.get(k))
         for k in sorted(set(a) | set(b))
-        if not k.startswith(RESUME_FREE) and a.get(k) != b.get(k)
+        if (k in RESUME_BOUND or not k.startswith(RESUME_FREE)) and a.get(k) != b.get(k)
     ]

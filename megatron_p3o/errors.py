@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 EXIT_USER_ERROR = 2
@@ -37,6 +38,42 @@ class CheckpointError(UserError, ValueError):
 
 class DataError(UserError, ValueError):
     """A prompt file or a rollout sample is malformed (the message names the row or sample)."""
+
+
+def read_user_text(path, what: str) -> str:
+    """The text of a file the user named (a recipe, a grid, ...): a missing file, a directory,
+    an unreadable or a non-UTF-8 file is one line naming it (``what``: "recipe", ...), not an
+    ``IsADirectoryError`` / ``UnicodeDecodeError`` traceback from deep inside a reader."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputFileError(f"{what} {p} is a directory, not a file")
+    if not p.is_file():
+        raise InputFileError(f"{what} {p} does not exist")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise InputFileError(f"{what} {p}: cannot read it: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise InputFileError(
+            f"{what} {p}: not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line})"
+        ) from None
+
+
+def count_arg(text: str) -> int:
+    """argparse ``type=`` for counts and sizes (--tp, --pp, ...): an integer >= 1, refused by
+    argparse in one line, not by a ZeroDivisionError deep in the layout arithmetic."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def _debug(argv: Sequence[str]) -> bool:

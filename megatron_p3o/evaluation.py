@@ -52,11 +52,21 @@ class EvalSetConfig:
     limit: int = 0
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"eval set n={self.n} must be >= 1")
+        """Ranges, each message led by the key (the loader puts ``eval.sets.<name>.`` before
+        it): a temperature of 0 or a top_p of 2 otherwise fails only at the first evaluation,
+        after the model is built."""
+        for key, ok, rule in (
+            ("n", self.n >= 1, ">= 1"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
+            ("limit", self.limit >= 0, ">= 0 (0: every row)"),
+        ):
+            if not ok:
+                raise ValueError(f"{key}={getattr(self, key)} must be {rule}")
         bad = [k for k in self.k if not 1 <= k <= self.n]
         if bad:
-            raise ValueError(f"eval set k={list(self.k)}: every k must be in [1, n={self.n}]")
+            raise ValueError(f"k={list(self.k)}: every k must be in [1, n={self.n}]")
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ histograms; lists are kept out of TensorBoard.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Literal, Optional
 
-from .errors import UserError
+from .errors import UserError, one_line
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,38 @@ def _wandb_hist(counts: List[float]):
     return wandb.Histogram(np_histogram=(counts, edges))
 
 
+_NO_LOGIN = (
+    "wandb.enabled=true with wandb.mode=online needs a W&B login: set WANDB_API_KEY (or run "
+    "`wandb login`), or log offline with WANDB_MODE=offline or --set wandb.mode=offline "
+    "(`wandb sync` uploads later)"
+)
+
+
+def wandb_mode(cfg: WandbConfig) -> str:
+    """``$WANDB_MODE`` when set (W&B's own switch, e.g. ``WANDB_MODE=offline`` on a node
+    without network), else ``wandb.mode``; wandb.init itself lets its argument win."""
+    return os.environ.get("WANDB_MODE", "").strip() or cfg.mode
+
+
+def check_wandb(cfg: WandbConfig) -> None:
+    """At config time, before the model is built: W&B on needs the extra and, online, some
+    credential. Only the certain cases are refused here (no key, no netrc, no identity token,
+    no terminal to prompt on); :func:`_start_wandb` turns W&B's own refusal into one line."""
+    if not cfg.enabled or wandb_mode(cfg) == "disabled":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UserError("wandb.enabled=true needs the wandb extra: pip install -e '.[wandb]'")
+    if wandb_mode(cfg) != "online" or sys.stdin.isatty():
+        return
+    if any(os.environ.get(k) for k in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE")):
+        return
+    netrc = [os.environ.get("NETRC", ""), "~/.netrc", "~/_netrc"]
+    if not any(p and Path(p).expanduser().is_file() for p in netrc):
+        raise UserError(_NO_LOGIN)
+
+
 def _start_wandb(run_dir: Path, config: dict, cfg: WandbConfig, resumed: bool):
     try:
         import wandb
@@ -139,17 +173,27 @@ def _start_wandb(run_dir: Path, config: dict, cfg: WandbConfig, resumed: bool):
         ) from None
     id_file = run_dir / "wandb_id.txt"
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
-    run = wandb.init(
-        project=cfg.project,
-        entity=cfg.entity,
-        group=cfg.group,
-        name=cfg.name or run_dir.name,
-        tags=list(cfg.tags),
-        dir=cfg.dir or str(run_dir),
-        mode=cfg.mode,
-        config=config,
-        id=run_id,
-        resume="allow" if run_id else None,
-    )
+    mode = wandb_mode(cfg)
+    try:
+        run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            group=cfg.group,
+            name=cfg.name or run_dir.name,
+            tags=list(cfg.tags),
+            dir=cfg.dir or str(run_dir),
+            mode=mode,
+            config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
+    except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
+        login = mode == "online" and not os.environ.get("WANDB_API_KEY")
+        raise UserError(_NO_LOGIN if login else f"wandb.init ({mode}): {one_line(e)}") from None
+    except wandb.errors.CommError as e:
+        raise UserError(
+            f"wandb.init could not reach W&B ({one_line(e)}); check the network or WANDB_API_KEY, "
+            "or log offline with WANDB_MODE=offline or --set wandb.mode=offline"
+        ) from None
     id_file.write_text(run.id)
     return run

@@ -63,11 +63,11 @@ class Trainer:
     def _build(self, cfg: TrainConfig, groups: ParallelGroups) -> None:
         """Model and optimizer → objective and update → data, reward, replay → run directory
         and resume → rollout backend (last: it may launch servers)."""
-        from transformers import AutoTokenizer
+        from .hf.safetensors_io import load_tokenizer
 
         ckpt = Path(cfg.model.checkpoint)
         self._build_model(cfg, groups, ckpt)
-        self.tok = AutoTokenizer.from_pretrained(ckpt / "hf")
+        self.tok = load_tokenizer(ckpt / "hf", "model.checkpoint")
         self.objective = build_objective(cfg.loss.objective, **cfg.loss.hyper)
         self.sampling = self._sampling()
         self.reference = self._build_reference(cfg, groups, ckpt)

@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_p3o.errors import InputFileError, count_arg, run_cli  # noqa: E402
+
 
 def greedy_accuracy(model, tok, pairs, max_new=4) -> float:
     from megatron_p3o.tasks.arithmetic import answer, prompt
@@ -56,14 +58,26 @@ def greedy_accuracy(model, tok, pairs, max_new=4) -> float:
     return ok / len(pairs)
 
 
+def _fraction(text: str) -> float:
+    """--target-acc: an accuracy in [0, 1] (2.0 would train for --max-steps and then fail; 0
+    stops at the first evaluation)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{v} must be in [0, 1]")
+    return v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/tiny_base")
-    ap.add_argument("--target-acc", type=float, default=0.5)
+    ap.add_argument("--target-acc", type=_fraction, default=0.5)
     ap.add_argument(
-        "--max-steps", type=int, default=3000, help="bound on SFT steps (exit 2 if hit)"
+        "--max-steps", type=count_arg, default=3000, help="bound on SFT steps (exit 2 if hit)"
     )
-    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-every", type=count_arg, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (4 experts, top-2)")
     a = ap.parse_args(argv)
@@ -76,6 +90,8 @@ def main(argv=None) -> int:
     from megatron_p3o.tasks.arithmetic import answer, make_tokenizer, prompt, splits, write_jsonl
 
     out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise InputFileError(f"--out {out} is a file; give a directory")
     if (out / "base.json").is_file():
         print(f"{out} exists: {(out / 'base.json').read_text()}")
         return 0
@@ -133,6 +149,7 @@ def main(argv=None) -> int:
                         f"step {step + 1}: loss {loss.item():.3f}, held-out greedy acc {acc:.3f}"
                     )
                 if acc >= a.target_acc:
+                    bar.update(task, total=step + 1)  # reached early: the bar ends at 100%
                     break
     if acc < a.target_acc:
         print(
@@ -153,4 +170,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main, "make_tiny_base.py")  # user errors (an existing output, ...): one line, exit 2

@@ -11,14 +11,15 @@ import json
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import InputFileError, OutputExistsError
+from ..errors import InputFileError, OutputExistsError, UserError
 from ..model.description import ModelDescription
 from .mapping import MappingError, hf_shapes
 
@@ -29,19 +30,56 @@ _AUX_SUFFIXES = (".json", ".model", ".txt", ".jinja", ".tiktoken", ".py")
 _NOT_AUX = {WEIGHTS_INDEX, "config.json"}
 
 
+def _description(hf_dir: Path) -> ModelDescription:
+    """The model description from ``config.json``; a file that is not JSON (or lacks a key
+    every architecture has) is one line naming it, not a JSONDecodeError traceback."""
+    try:
+        return ModelDescription.from_hf_dir(hf_dir)
+    except UserError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputFileError(
+            f"{hf_dir / 'config.json'}: not a usable HF config ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _weight_map(index: Path) -> Dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputFileError(
+            f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise InputFileError(f"{index}: weight_map is not a mapping of tensor -> file")
+    return weight_map
+
+
+@contextmanager
+def _open(path: Path):
+    """``safe_open`` whose failures (a truncated or corrupt file: ``SafetensorError``, which a
+    later read can raise too) are one line naming the file."""
+    try:
+        with safe_open(path, framework="pt") as h:
+            yield h
+    except SafetensorError as e:
+        raise InputFileError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 class HFCheckpointReader:
     """Lazily reads tensors of an HF directory (single file or sharded with an index)."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         if not self.dir.is_dir():
-            raise InputFileError(f"HF model directory {self.dir} does not exist")
-        self.description = ModelDescription.from_hf_dir(self.dir)
+            what = "is a file, not a directory" if self.dir.exists() else "does not exist"
+            raise InputFileError(f"HF model directory {self.dir} {what}")
+        self.description = _description(self.dir)
         index = self.dir / WEIGHTS_INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
         elif (self.dir / SINGLE_WEIGHTS).is_file():
-            with safe_open(self.dir / SINGLE_WEIGHTS, framework="pt") as f:
+            with _open(self.dir / SINGLE_WEIGHTS) as f:
                 weight_map = {k: SINGLE_WEIGHTS for k in f.keys()}
         else:
             raise InputFileError(f"{self.dir}: neither {WEIGHTS_INDEX} nor {SINGLE_WEIGHTS} found")
@@ -55,7 +93,7 @@ class HFCheckpointReader:
                 )
 
     def shape(self, name: str):
-        with safe_open(self.dir / self.weight_map[name], framework="pt") as h:
+        with _open(self.dir / self.weight_map[name]) as h:
             return tuple(h.get_slice(name).get_shape())
 
     def dtype(self) -> torch.dtype:
@@ -63,7 +101,7 @@ class HFCheckpointReader:
         name = "model.embed_tokens.weight"
         if name not in self.weight_map:
             return torch.float32
-        with safe_open(self.dir / self.weight_map[name], framework="pt") as h:
+        with _open(self.dir / self.weight_map[name]) as h:
             code = h.get_slice(name).get_dtype()
         return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(
             code, torch.float32
@@ -74,7 +112,7 @@ class HFCheckpointReader:
             raise MappingError(f"{self.dir}: tensor {name} is missing from the checkpoint")
         # open per tensor and copy out: no file mapping outlives the tensor it served, so the
         # resident set stays about one tensor (a long-lived mapping keeps every page it touched)
-        with safe_open(self.dir / self.weight_map[name], framework="pt") as h:
+        with _open(self.dir / self.weight_map[name]) as h:
             return h.get_tensor(name).clone()
 
     def validate(self) -> None:
@@ -172,3 +210,21 @@ def copy_aux_files(src: Optional[Path], dst: Path) -> list:
             shutil.copy2(p, dst / p.name)
             copied.append(p.name)
     return copied
+
+
+def load_tokenizer(hf_dir: str | Path, what: str = "model.checkpoint"):
+    """``AutoTokenizer.from_pretrained(hf_dir)``, with a missing directory or tokenizer files as
+    one line naming the directory: transformers takes a missing path for a hub repo id and
+    raises a 70-line OSError, and missing files for a slow-tokenizer conversion (sentencepiece)."""
+    from transformers import AutoTokenizer
+
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise InputFileError(f"{what}: tokenizer directory {d} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(d)
+    except (OSError, ValueError) as e:
+        raise InputFileError(
+            f"{what}: no usable tokenizer in {d} (tokenizer.json / tokenizer_config.json; "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]})"
+        ) from None

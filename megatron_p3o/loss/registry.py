@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Literal, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -242,7 +245,49 @@ def build_objective(name: str, **hyper) -> Objective:
                 f"objective {name!r}: unknown hyper-parameter {key!r}"
                 f"{f' (did you mean {near[0]!r}?)' if near else ''}; known: {sorted(known)}"
             )
-    return Objective(name, spec, spec.config_cls(**{**spec.defaults, **hyper}))
+    hyper = {k: _hyper_value(name, spec.config_cls, k, v) for k, v in hyper.items()}
+    try:
+        cfg = spec.config_cls(**{**spec.defaults, **hyper})
+    except (TypeError, ValueError) as e:  # its own checks say "tau=0 must be > 0"
+        msg = str(e)
+        raise ValueError(f"loss.hyper.{msg}" if msg.split("=")[0] in known else msg) from None
+    return Objective(name, spec, cfg)
+
+
+# hyper-parameters that are widths, caps or coefficients of a penalty: negative ones flip the
+# loss's meaning silently (a negative clip ε clips every token)
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # as config._FLOAT_LITERAL
+_NON_NEGATIVE = (
+    "eps", "eps_low", "eps_high", "tis_cap", "mis_low", "mis_high", "kl_coef", "ref_kl_coef",
+    "behav_weight_cap", "delta", "tau", "beta", "beta1", "beta2",
+)  # fmt: skip
+
+
+def _hyper_value(name: str, cls: type, key: str, value: Any) -> Any:
+    """``loss.hyper`` is free-form YAML: check each value against the objective's field type
+    (a string where a number belongs failed only in the first loss computation, after the
+    model was built and a rollout done) and the obvious ranges, naming ``loss.hyper.<key>``.
+    ``3e-4`` (which PyYAML reads as a string) becomes the number."""
+    tp = typing.get_type_hints(cls)[key]
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return value
+    kinds = {a for a in args if a is not type(None)} or {tp}
+    path = f"loss.hyper.{key}={value!r}"
+    if typing.get_origin(tp) is Literal and value not in args:
+        raise ValueError(f"{path}: objective {name!r} takes one of {list(args)}")
+    if kinds & {float, int} and not kinds & {str, dict}:
+        if float in kinds and isinstance(value, str) and _FLOAT.match(value.strip()):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: objective {name!r} expects a number")
+        if not math.isfinite(value):
+            raise ValueError(f"{path} must be a finite number")
+        if key in _NON_NEGATIVE and value < 0:
+            raise ValueError(f"{path} must be >= 0")
+    if kinds == {bool} and not isinstance(value, bool):
+        raise ValueError(f"{path}: objective {name!r} expects true/false")
+    return value
 
 
 def broadcast_advantages(advantages: Tensor, mask: Tensor) -> Tensor:

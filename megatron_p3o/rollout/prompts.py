@@ -11,6 +11,7 @@ change of DP size.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Tuple
@@ -162,9 +163,19 @@ def read_dataset(path: str, split: str = "train", key: str = "data.path"):
     p = Path(path)
     if p.suffix in (".jsonl", ".json", ".parquet"):
         if not p.is_file():
-            raise InputFileError(f"{key}={path!r} does not exist")
+            what = "is a directory, not a file" if p.is_dir() else "does not exist"
+            raise InputFileError(f"{key}={path!r} {what}")
+        if p.suffix != ".parquet":
+            check_json_rows(p, key)
         kind = "parquet" if p.suffix == ".parquet" else "json"
-        return datasets.load_dataset(kind, data_files=str(p), split="train")
+        try:
+            return datasets.load_dataset(kind, data_files=str(p), split="train")
+        except Exception as e:  # noqa: BLE001 - datasets wraps every parse error: one line
+            cause = e.__cause__ or e
+            raise DataError(
+                f"{key}={path!r}: cannot read it as {kind}: "
+                f"{type(cause).__name__}: {str(cause)[:200]}"
+            ) from None
     try:
         return datasets.load_dataset(path, split=split)
     except Exception as e:  # noqa: BLE001 - no network, a typo, a gated set: one line
@@ -172,6 +183,56 @@ def read_dataset(path: str, split: str = "train", key: str = "data.path"):
             f"{key}={path!r} is neither a .jsonl/.json/.parquet file nor a readable dataset "
             f"(split {split!r}): {type(e).__name__}: {str(e)[:200]}"
         ) from None
+
+
+def check_json_rows(path: Path, key: str = "data.path") -> None:
+    """A JSON Lines file (``.jsonl``, or a ``.json`` that is not one JSON array) must be UTF-8
+    with one JSON object per non-blank line. Why here: ``datasets`` reports a bad row in a
+    68-line traceback that names neither the file nor the line; this names both."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{key}={str(path)!r}: line {line} is not UTF-8 (byte 0x{raw[e.start]:02x})"
+        ) from None
+    if path.suffix == ".json" and _json_document(text, path, key):
+        return  # one JSON document (an array, or {"data": [...]}): datasets reads it whole
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise DataError(
+                f"{key}={str(path)!r}: line {n} is not valid JSON ({_why(e)}): {line[:80]!r}"
+            ) from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{key}={str(path)!r}: line {n} is a JSON {type(row).__name__}, not an object "
+                "with prompt and answer fields"
+            )
+
+
+def _json_document(text: str, path: Path, key: str) -> bool:
+    """Whether ``text`` is one JSON document; a broken array is reported at its line (a
+    ``.json`` file may also hold JSON Lines: that is for the caller to check)."""
+    try:
+        json.loads(text)
+        return True
+    except ValueError as e:
+        if text.lstrip().startswith("["):
+            raise DataError(
+                f"{key}={str(path)!r}: line {getattr(e, 'lineno', '?')} is not valid JSON "
+                f"({_why(e)})"
+            ) from None
+        return False
+
+
+def _why(e: ValueError) -> str:
+    """A JSONDecodeError's reason and column (its own line number counts from the line given)."""
+    return f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
 
 
 def encode_prompt(tok, text: str, chat: bool = False, add_bos: bool = True) -> List[int]:

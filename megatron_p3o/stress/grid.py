@@ -44,6 +44,7 @@ from typing import Any, Dict, List
 import yaml
 
 from ..config import ConfigError, TrainConfig, _build, load_config
+from ..errors import InputFileError, one_line, read_user_text
 
 
 @dataclass(frozen=True)
@@ -117,24 +118,47 @@ def _items(d: Dict[str, Any]) -> List[str]:
     ]
 
 
+def _mapping(p: Path, key: str, v: Any) -> dict:
+    """A cell setting's value must be a mapping (or empty): ``objectives: {p3o: 3}`` is one line,
+    not a TypeError from deep in the loader."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"grid {p}: {key}: expected a mapping, got {v!r}")
+    return v
+
+
 def load_grid(path: str | Path) -> GridConfig:
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"grid {p} does not exist")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:  # missing, a directory, not UTF-8: one line naming the file
+        text = read_user_text(p, "grid")
+    except InputFileError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"grid {p}: invalid YAML: {one_line(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"grid {p}: the top level must be a mapping")
     for key in ("objectives", "mismatch"):
         if not isinstance(data.get(key), dict) or not data[key]:
             raise ConfigError(f"grid {p}: '{key}' must be a non-empty mapping of label -> settings")
     objectives = {
-        k: _build(ObjectiveSpec, v or {}, f"objectives.{k}")
+        k: _build(ObjectiveSpec, _mapping(p, f"objectives.{k}", v), f"objectives.{k}")
         for k, v in data.pop("objectives").items()
     }
     mismatch = {
-        k: _build(MismatchSpec, v or {}, f"mismatch.{k}") for k, v in data.pop("mismatch").items()
+        k: _build(MismatchSpec, _mapping(p, f"mismatch.{k}", v), f"mismatch.{k}")
+        for k, v in data.pop("mismatch").items()
     }
     grid = _build(GridConfig, data)
+    for key, v, lo in (
+        ("eval_limit", grid.eval_limit, 0),
+        ("probe_prompts", grid.probe_prompts, 0),
+        ("world_size", grid.world_size, 1),
+    ):
+        if v < lo:
+            raise ConfigError(f"grid {p}: {key}={v} must be >= {lo}")
     grid = GridConfig(**{**grid.__dict__, "objectives": objectives, "mismatch": mismatch})
     if not grid.base:
         raise ConfigError(f"grid {p}: 'base' (the recipe every cell starts from) is required")
@@ -189,7 +213,13 @@ def control_setting(grid: GridConfig) -> str:
 def cell_config(grid: GridConfig, cell: Cell, world_size: int = 0) -> TrainConfig:
     """The cell's full, validated configuration (run directory under ``grid.work``), for
     ``world_size`` ranks (0 = the grid's ``world_size``)."""
-    world_size = world_size or grid.world_size
+    try:  # a bad value in a cell's settings names the cell
+        return _cell_config(grid, cell, world_size or grid.world_size)
+    except ConfigError as e:
+        raise ConfigError(f"cell {cell.id}: {e}") from None
+
+
+def _cell_config(grid: GridConfig, cell: Cell, world_size: int) -> TrainConfig:
     # with W&B on, the cells of a grid are runs of one group, each named after its cell
     run = [f"run.dir={grid.work}", f"run.name={cell.id}", f"wandb.group={grid.name}"]
     cfg = load_config(grid.base, cell.overrides + run)
@@ -207,7 +237,4 @@ def cell_config(grid: GridConfig, cell: Cell, world_size: int = 0) -> TrainConfi
             if k not in pinned
         ]
         cfg = load_config(grid.base, cell.overrides + run + ports)
-    try:
-        return cfg.validate(world_size)
-    except ConfigError as e:
-        raise ConfigError(f"cell {cell.id}: {e}") from None
+    return cfg.validate(world_size)

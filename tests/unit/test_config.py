@@ -160,3 +160,103 @@ def test_what_a_cpu_sglang_server_cannot_do_is_refused_at_config_time(sets, need
     gpu = [s.replace("device=cpu", "device=cuda") for s in base]
     load_config(None, gpu + ["rollout.deterministic=true"]).validate(1)
     load_config(None, gpu + ["rollout.sglang.quantization=fp8"]).validate(1)  # nccl there
+
+
+# -- issue 41, item 4: every numeric value's range, named by its dotted key ---------------------
+
+_BAD = {  # a value outside each rule of config.RANGES
+    "> 0": "0",
+    ">= 0": "-1",
+    ">= 1": "0",
+    ">= 2": "1",
+    "in (0, 1]": "0",
+    "in [0, 1)": "1",
+    "a port in [1, 65535]": "70000",
+    "in [0, 65535] (0: a free port)": "-1",
+}
+
+
+def _ranges():
+    from megatron_p3o.config import RANGES
+
+    return RANGES
+
+
+@pytest.mark.parametrize("path,rule", _ranges(), ids=[p for p, _ in _ranges()])
+def test_every_range_is_checked_at_load_with_its_key(path, rule):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{path}={_BAD[rule]}"])
+    msg = str(e.value)
+    assert msg.startswith(f"{path}=") and "must be" in msg, msg
+
+
+def test_the_defaults_are_in_range():
+    from megatron_p3o.config import check_ranges
+
+    check_ranges(TrainConfig())
+
+
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["optim.lr=-0.001"], "optim.lr=-0.001 must be > 0"),
+        (["optim.lr=.nan"], "optim.lr=nan must be a finite number"),
+        (["optim.lr=1e-6", "optim.min_lr=1e-5"], "optim.min_lr=1e-05 must be <= optim.lr=1e-06"),
+        (["optim.lr_decay_style=cosin"], "did you mean 'cosine'"),
+        (["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
+        (["eval.sets={a: {path: x, n: 0}}"], "eval.sets.a.n=0 must be >= 1"),
+        (["eval.sets={a: {path: x, top_p: 2}}"], "eval.sets.a.top_p=2.0 must be in (0, 1]"),
+        (["eval.sets={a: {path: x, limit: -1}}"], "eval.sets.a.limit=-1 must be >= 0"),
+    ],
+)
+def test_range_messages(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_validate_checks_ranges_of_a_config_built_in_code():
+    from dataclasses import replace
+
+    from megatron_p3o.optim import OptimConfig
+
+    with pytest.raises(ConfigError, match=r"optim.lr=-1.0 must be > 0"):
+        replace(TrainConfig(), optim=OptimConfig(lr=-1.0)).validate(1)
+
+
+def test_recipe_that_is_not_utf8_or_is_a_directory(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_bytes(b"run:\n  name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"r.yaml: not UTF-8 text \(byte 0xe9 on line 2\)"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:9", "http://", "http://h:99999", "ftp://h:1"])
+def test_sglang_urls_need_a_scheme_and_host(url):
+    sets = ["rollout.engine=sglang", f"rollout.sglang.url={url}", "rollout.weight_sync=disk"]
+    with pytest.raises(ConfigError, match="is not a URL like http://HOST:PORT"):
+        load_config(None, [*sets, "rollout.weight_sync_dir=/tmp/w"]).validate(1)
+
+
+@pytest.mark.parametrize(
+    "hyper,needle",
+    [
+        ("{eps_low: 0.2x}", "loss.hyper.eps_low='0.2x': objective 'ppo' expects a number"),
+        ("{eps_high: -0.1}", "loss.hyper.eps_high=-0.1 must be >= 0"),
+        ("{mis_level: tok}", "mis_level='tok'"),
+    ],
+)
+def test_loss_hyper_values_are_checked_with_their_key(hyper, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["loss.objective=ppo", f"loss.hyper={hyper}"]).validate(1)
+    assert needle in str(e.value) and not str(e.value).startswith("loss: loss."), str(e.value)
+
+
+def test_loss_hyper_exponent_literals_are_numbers():
+    """PyYAML reads 3e-4 as a string; the objective gets the number."""
+    from megatron_p3o.loss import build_objective
+
+    cfg = load_config(None, ["loss.objective=gspo", "loss.hyper={eps_low: 3e-4}"]).validate(1)
+    assert build_objective(cfg.loss.objective, **cfg.loss.hyper).hyper.eps_low == 3e-4

@@ -13,8 +13,10 @@ a version the server does not hold.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -50,6 +52,23 @@ from .protocol import (
 from .weights import resolve_backend
 
 _NET_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
+REFUSED_GRACE_S = 5.0  # an attached URL refusing connections this long: nothing listens there
+NOTE_EVERY_S = 20.0  # a "still waiting" line this often while a server starts
+
+
+def unreachable(e: BaseException) -> Optional[str]:
+    """Why nothing can answer at the URL (refused, unknown host, no route), or None for an
+    error a starting server gives too (a timeout, HTTP 503 until it is ready)."""
+    if isinstance(e, urllib.error.HTTPError):
+        return None
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(reason, socket.gaierror):
+        return f"unknown host: {reason.strerror}"
+    if isinstance(reason, OSError) and reason.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "no route to host"
+    return None
 
 
 @dataclass(frozen=True)
@@ -132,9 +151,14 @@ class SGLangEngine(RolloutEngine):
 
     def wait_healthy(self, timeout_s: float, path: str = "/health", ready=None) -> None:
         """Until ``path`` answers (and ``ready(response)`` holds, when given); fails at once if
-        the watched process exits, naming its last log lines."""
-        deadline = time.monotonic() + timeout_s
-        last = None
+        the watched process exits, naming its last log lines. An attached server (no process
+        of ours) that refuses the connection for :data:`REFUSED_GRACE_S` is an error naming
+        the URL: the user said it runs, and waiting the whole ``startup_timeout_s`` (15 min by
+        default) in silence looked like a hang. Meanwhile a note every :data:`NOTE_EVERY_S`
+        says what is awaited and for how long (rank 0)."""
+        start = time.monotonic()
+        deadline, note_at = start + timeout_s, start + NOTE_EVERY_S
+        last, refused_since = None, None
         while time.monotonic() < deadline:
             p = self.process
             if p is not None and not p.alive():
@@ -148,13 +172,42 @@ class SGLangEngine(RolloutEngine):
                     if p is not None:
                         p.forget_config()
                     return
+                refused_since = None
             except _NET_ERRORS as e:  # not up yet (or 503 until ready)
                 last = e
+                why = unreachable(e) if p is None else None
+                refused_since = (refused_since or time.monotonic()) if why else None
+                if why and time.monotonic() - refused_since >= REFUSED_GRACE_S:
+                    raise EngineUnavailableError(self._unreachable_message(why)) from None
+            if time.monotonic() >= note_at:
+                note_at += NOTE_EVERY_S
+                self._note_waiting(path, time.monotonic() - start, timeout_s, last)
             time.sleep(0.5)
         tail = f"; last log lines: {self.process.tail()}" if self.process is not None else ""
         raise EngineUnavailableError(
             f"SGLang {self.label} at {self.url} not healthy ({path}) after {timeout_s:.0f}s: "
             f"{last}{tail}"
+        )
+
+    def _unreachable_message(self, why: str) -> str:
+        key = "rollout.sglang_workers" if self.label.startswith("worker") else "rollout.sglang.url"
+        return (
+            f"SGLang {self.label}: nothing answers at {self.url} ({why} for "
+            f"{REFUSED_GRACE_S:.0f}s): start the server first, or fix {key} (unset "
+            "rollout.sglang.url to let the trainer launch one)"
+        )
+
+    def _note_waiting(self, path: str, waited: float, timeout_s: float, last) -> None:
+        """One line on rank 0: what is awaited, for how long so far, where its log is."""
+        if os.environ.get("RANK", "0") != "0":
+            return
+        log = f"; log {self.process.log_path}" if self.process is not None else ""
+        why = f"HTTP {last.code}" if isinstance(last, urllib.error.HTTPError) else last
+        why = f"; last answer: {why}" if isinstance(last, BaseException) else ""
+        print(
+            f"waiting for SGLang {self.label} at {self.url}{path}: {waited:.0f}s of "
+            f"{timeout_s:.0f}s (rollout.sglang.startup_timeout_s){log}{why}",
+            flush=True,
         )
 
     def health(self) -> dict:
