@@ -155,3 +155,29 @@ def test_mismatch_corrections_packed_in_every_layout(pools, tmp_path, init_ckpts
         bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
         assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"
     assert len({next(iter(f)) for f in fracs.values()}) == 1, fracs  # one mask in every layout
+
+
+@pytest.mark.distributed
+def test_p3o_capped_trust_region_packed_in_every_layout(pools, tmp_path, init_ckpts):
+    """P3O with ``kl_weight: capped`` (k3 weighted by sg(min(ρ, e_B)), e_B over the whole step),
+    packed, at TP=2 / PP=2 / CP=2 / DP=2: the loss and every gradient equal the float64
+    single-process reference, and differ from the paper's form."""
+    init = init_ckpts("llama")
+    outs, losses = [], {}
+    for layout in LAYOUTS:
+        out = str(tmp_path / _ids(layout))
+        res = _run(pools, layout, init, out, mode="packed", hyper={"kl_weight": "capped"})
+        outs.append(out)
+        losses[out] = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
+    ref = pools(2).run(
+        pb.reference, Layout(), family="llama", init=init, compare_dirs=outs,
+        objective="p3o", hyper={"p3o": {"kl_weight": "capped"}},
+    )[0]  # fmt: skip
+    paper = pools(2).run(pb.reference, Layout(), family="llama", init=init)[0]
+    assert abs(paper["loss"] - ref["loss"]) > 1e-6 * abs(ref["loss"])
+    for out in outs:
+        assert losses[out] and all(
+            abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) for x in losses[out]
+        ), (out, losses[out], ref["loss"])
+        bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+        assert not bad, f"{out}: gradients differ from the float64 reference: {bad}"

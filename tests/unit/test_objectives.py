@@ -63,8 +63,9 @@ def ref_loss(name, x):
     A = x["adv"][:, None].expand_as(lp)
     if name == "p3o":
         e = _ess(lp, lb, m)
-        rho = torch.exp(_d(lp, lb, m)).detach()
-        return _tok_mean(-torch.clamp(rho, max=e) * A * lp + (1 - e) * _k3(lp, lb, m), m)
+        cap = torch.clamp(torch.exp(_d(lp, lb, m)).detach(), max=e)
+        capped = x.get("hyper", {}).get("p3o", {}).get("kl_weight") == "capped"
+        return _tok_mean(-cap * A * lp + (1 - e) * (cap if capped else 1) * _k3(lp, lb, m), m)
     if name == "reinforce":
         return _tok_mean(-A * lp, m)
     if name in ("ppo", "grpo", "dapo", "tis", "mis"):
@@ -349,3 +350,51 @@ def test_k3_on_behaviour_samples_estimates_chi2_minus_kl():
     kl_t_b = float((pt * (lt - lb)).sum())
     assert e_b_k3 == pytest.approx(chi2 - kl_b_t, rel=1e-12)
     assert abs(e_b_k3 - kl_t_b) > 0.01 * kl_t_b  # it is not the reverse KL
+
+
+def test_capped_k3_on_behaviour_samples_estimates_kl_theta_b():
+    """``kl_weight: capped`` weights k3 by ρ = πθ/πb (capped at e_B): E_b[ρ·k3] = KL(πθ‖πb)
+    exactly when no ratio reaches the cap. Exact sums over a 6-token vocabulary."""
+    from megatron_p3o.loss.terms import k3
+
+    g = torch.Generator().manual_seed(4)
+    lt = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)
+    lb = torch.log_softmax(lt + 0.6 * torch.randn(6, generator=g, dtype=torch.float64), 0)
+    pb, pt = lb.exp(), lt.exp()
+    rho = pt / pb
+    e_b_rho_k3 = float((pb * rho * k3(lt, lb, torch.ones(6, dtype=torch.float64))).sum())
+    assert e_b_rho_k3 == pytest.approx(float((pt * (lt - lb)).sum()), rel=1e-12)
+
+
+def test_p3o_capped_kl_weight_against_float64_and_its_gradient_bound():
+    """P3O with ``kl_weight=capped``: loss and gradient equal the float64 formula written out
+    here, −sg(min(ρ, e))·A·ℓθ + (1 − e)·sg(min(ρ, e))·k3; the trust-region gradient per token is
+    (1 − e)·min(ρ, e)·(1 − 1/ρ), inside (1 − e)·(−1, e); the paper's form is unbounded below
+    there; on-policy both forms are the same loss."""
+    x = _data(0.3)
+    m, lb = x["mask"], x["lb"]
+    A = x["adv"][:, None].expand_as(lb)
+    lp = x["lp"].clone().requires_grad_()
+    loss, _ = policy_loss("p3o", lp, lb, x["adv"], m, kl_weight="capped")
+    (g,) = torch.autograd.grad(loss, lp)
+    lp2 = x["lp"].clone().requires_grad_()
+    e = _ess(x["lp"], lb, m)
+    cap = torch.clamp(torch.exp(_d(x["lp"], lb, m)), max=e)
+    ref = _tok_mean(-cap * A * lp2 + (1 - e) * cap * _k3(lp2, lb, m), m)
+    (g_ref,) = torch.autograd.grad(ref, lp2)
+    assert float(loss) == pytest.approx(float(ref), rel=1e-12)
+    assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-14)
+    # the trust region's own gradient (A = 0): bounded in (1 − e)·(−1, e) per token, × 1/N
+    zero = torch.zeros_like(x["adv"])
+    n = float(m.sum())
+    for form, bounded in (("capped", True), ("one", False)):
+        lp3 = x["lp"].clone().requires_grad_()
+        tr, _ = policy_loss("p3o", lp3, lb, zero, m, kl_weight=form)
+        (gt,) = torch.autograd.grad(tr, lp3)
+        coef = gt[m > 0] * n / (1 - e)
+        inside = bool((coef > -1).all() and (coef < e).all())
+        assert inside == bounded, (form, float(coef.min()), float(coef.max()))
+    # on-policy: ρ ≡ 1, e_B = 1, the two forms are one loss
+    on, _ = policy_loss("p3o", x["lp"], x["lp"], x["adv"], m, kl_weight="capped")
+    paper, _ = policy_loss("p3o", x["lp"], x["lp"], x["adv"], m)
+    assert float(on) == float(paper)
