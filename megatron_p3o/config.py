@@ -124,6 +124,11 @@ class TrainConfig:
                 f"rollout.fp8_kv_cache needs an fp8 rollout.precision, got "
                 f"{self.rollout.precision!r}"
             )
+        if self.rollout.weight_rounding_step and self.rollout.engine != "embedded":
+            raise ConfigError(
+                "rollout.weight_rounding_step rounds the embedded engine's copy of the weights; "
+                "SGLang has no such knob (use rollout.engine=embedded)"
+            )
         if self.rollout.logit_noise and self.rollout.engine != "embedded":
             raise ConfigError(
                 "rollout.logit_noise perturbs the embedded engine's logits; SGLang has no such "
@@ -359,6 +364,7 @@ _RULES = {
     ">= 2": lambda v: v >= 2,
     "in (0, 1]": lambda v: 0 < v <= 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
     "a port in [1, 65535]": lambda v: 1 <= v <= 65535,
     "in [0, 65535] (0: a free port)": lambda v: 0 <= v <= 65535,
 }
@@ -385,6 +391,7 @@ RANGES: Tuple[Tuple[str, str], ...] = (
     ("rollout.dynamic_max_rounds", ">= 0"),
     ("rollout.logprob_noise", ">= 0"),
     ("rollout.logit_noise", ">= 0"),
+    ("rollout.weight_rounding_step", "in [0, 1]"),
     ("rollout.engine_temperature", "> 0"),
     ("rollout.weight_sync_port", "a port in [1, 65535]"),
     ("rollout.sglang.mem_fraction_static", "in (0, 1]"),

@@ -211,6 +211,7 @@ def build_backend(
             hf, cfg.precision, pad_token_id=pad_token_id, device=device,
             logit_noise=cfg.logit_noise, fp8_kv_cache=cfg.fp8_kv_cache,
             rollout_head=rollout_head, max_batch=cfg.embedded_max_batch,
+            weight_rounding_step=cfg.weight_rounding_step,
         )  # fmt: skip
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, resume)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes

@@ -35,6 +35,12 @@ class RolloutConfig:
         log-probs after sampling (misreported ℓb; not a distribution: E_b[ρ] = e^{σ²/2}).
     logit_noise: stress tests only (embedded engine) — σ of Gaussian noise added to the engine's
         logits before sampling; ℓb are the exact log-probs of that perturbed distribution.
+    weight_rounding_step: stress tests only (embedded engine) — a persistent error in the
+        engine's copy of the weights: every linear weight rounded, per output channel, to the
+        nearest multiple of ``step · max|w_row|`` at every push (1/7: 4-bit symmetric
+        weight-only quantization, 1/3: 3-bit; 0: off), so the same weights give the same error
+        every step. ℓb stay exact for that engine; the mismatch is structured, unlike
+        ``logit_noise``'s fresh draws.
     engine_temperature: stress tests only — let the engine sample at another temperature
         than the trainer's ``sampling.temperature`` (None: the same, as it must be).
     deterministic: a zero-mismatch control on GPUs: SGLang's deterministic inference
@@ -71,6 +77,7 @@ class RolloutConfig:
     dynamic_max_rounds: int = 3
     logprob_noise: float = 0.0
     logit_noise: float = 0.0
+    weight_rounding_step: float = 0.0
     engine_temperature: Optional[float] = None
     deterministic: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -69,6 +69,16 @@ def fp8_quant_dequant(w: Tensor, block: Optional[int] = None) -> Tensor:
     return ((w32 / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
 
 
+def channel_round(w: Tensor, step: float) -> Tensor:
+    """``w [out, in]`` rounded per output channel to the nearest multiple of
+    ``step · max_j |w_rj|`` (k-bit symmetric integers are step = 1 / (2^(k−1) − 1); a row of
+    zeros stays zero). Computed in float32, returned in ``w``'s dtype. The stress knob
+    ``rollout.weight_rounding_step``: a weight-only quantized engine."""
+    x = w.float()
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) * step
+    return (torch.round(x / scale) * scale).to(w.dtype)
+
+
 def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:
     """``x [..., d]`` rounded through e4m3 with one dynamic scale per token and ``group``
     channels (the activation side of block-FP8 GEMMs)."""
@@ -122,6 +132,7 @@ class EmbeddedEngine(RolloutEngine):
         logit_noise: float = 0.0,
         fp8_kv_cache: bool = False,
         rollout_head: bool = False,
+        weight_rounding_step: float = 0.0,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,6 +161,9 @@ class EmbeddedEngine(RolloutEngine):
         if logit_noise < 0:
             raise ValueError(f"rollout.logit_noise={logit_noise} must be >= 0")
         self.logit_noise = float(logit_noise)
+        if not 0 <= weight_rounding_step <= 1:
+            raise ValueError(f"rollout.weight_rounding_step={weight_rounding_step}: in [0, 1]")
+        self.rounding_step = float(weight_rounding_step)
         self.weight_version = -1  # no weights loaded yet
         # transformers >= 5 calls the KV cache ``cache``; earlier versions ``past_key_values``
         import inspect
@@ -226,6 +240,9 @@ class EmbeddedEngine(RolloutEngine):
 
     # -- weights ------------------------------------------------------------------------------
     def _to_engine(self, name: str, t: Tensor) -> Tensor:
+        linear = t.dim() == 2 and name.rsplit(".", 2)[-2] in _FP8_LINEARS
+        if self.rounding_step and linear:  # before the engine's dtype: the knob's own error
+            t = channel_round(t, self.rounding_step)
         t = t.to(self.dtype)
         if (
             self.precision.startswith("fp8")

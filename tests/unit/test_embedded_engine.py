@@ -220,3 +220,54 @@ def test_fp8_activation_and_kv_rounding(hf_model):
         diffs[name] = sum(abs(a - b) for a, b in pairs) / len(pairs)
     assert diffs["fp8_block"] < diffs["fp8_w8a8"], diffs
     assert max_abs_diff(lps["fp8_w8a8+kv"], lps["fp8_w8a8"]) > 1e-3
+
+
+def test_weight_rounding_serves_the_rounded_weights_exactly(hf_model):
+    """``rollout.weight_rounding_step`` (issue 43's structured mismatch): the engine samples
+    from transformers with every linear weight rounded per output channel to multiples of
+    step · max|w_row| (written out here in float64), not from the trainer's weights; its ℓb
+    are exact for that model, and the error is the same at every push of the same weights."""
+    import copy
+
+    step = 0.3
+    e = EmbeddedEngine(hf_model.config.to_dict(), "fp32", weight_rounding_step=step)
+    e.update_weights([list(hf_model.state_dict().items())], version=1)
+    rounded = copy.deepcopy(hf_model)
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if p.dim() == 2 and name.rsplit(".", 2)[-2] in linears:
+                w = p.double()
+                unit = w.abs().max(dim=1, keepdim=True).values * step
+                q = torch.round(w / unit) * unit
+                assert (q - w).abs().max() <= 0.5 * unit.max() + 1e-12
+                p.copy_(q)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    s = e.generate([PROMPTS[2]], 1, sp)[0]
+    ids = torch.tensor([s.prompt_ids + s.completion_ids])
+    with torch.no_grad():
+        lr = torch.log_softmax(rounded(ids).logits[0, len(s.prompt_ids) - 1 : -1].double(), -1)
+        lt = torch.log_softmax(hf_model(ids).logits[0, len(s.prompt_ids) - 1 : -1].double(), -1)
+    tok = torch.tensor(s.completion_ids)[:, None]
+    lb = torch.tensor(s.logprobs, dtype=torch.float64)
+    assert (lb - lr.gather(-1, tok)[:, 0]).abs().max() < 1e-5  # the rounded model's ℓb
+    assert (lb - lt.gather(-1, tok)[:, 0]).abs().max() > 1e-3  # not the trainer's
+    e.update_weights([list(hf_model.state_dict().items())], version=2)  # the same push again
+    again = e.score([s.prompt_ids], [s.completion_ids], sp)[0]
+    assert max(abs(a - b) for a, b in zip(again, s.logprobs)) < 1e-5
+
+
+def test_weight_rounding_is_refused_outside_the_embedded_engine():
+    from pathlib import Path
+
+    from megatron_p3o.config import ConfigError, load_config
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    with pytest.raises(ConfigError, match="rollout.weight_rounding_step"):
+        load_config(
+            str(recipes / "tiny_cpu_sglang.yaml"), ["rollout.weight_rounding_step=0.3"]
+        ).validate(1)
+    with pytest.raises(ConfigError, match=r"rollout.weight_rounding_step=1.5 must be in \[0, 1\]"):
+        load_config(str(recipes / "tiny_cpu.yaml"), ["rollout.weight_rounding_step=1.5"]).validate(
+            1
+        )
