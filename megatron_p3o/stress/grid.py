@@ -22,6 +22,14 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
     probe_prompts: 64                    # the setting's mismatch at the base weights (0 = off)
     notes: |                             # your reading of the results, kept in the report
       ...
+    # v4 (any of the next two makes the report's headline the declared family's, with TOST):
+    preregistered:                       # the confirmatory comparisons, arm − comparator
+      - {setting: bf16, arm: grpo_eps0.2, comparator: p3o}
+    equivalence_margin: 0.02             # TOST's ±margin (an "equivalent" call)
+    lr_select: {seeds: [1, 2, 3, 4], test_seeds: [5, 6, 7, 8], lrs: [1.0e-4, 3.0e-4],
+                per: setting}            # or per: control; arms are then objective families
+    store: runs/stress_store             # cells already run (same resolved config) are reused
+    store_across_commits: false          # true: reuse cells of other code too
 
 Families are the mismatch axes: rollout precision, reuse (epochs), staleness (sync every L /
 async K), engine logit noise (a perturbed sampling distribution with honest ℓb), corrupted
@@ -39,7 +47,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -61,6 +69,34 @@ class MismatchSpec:
     set: Dict[str, Any] = field(default_factory=dict)
     objectives: List[str] = field(default_factory=list)  # labels run on this setting (empty: all)
 
+
+@dataclass(frozen=True)
+class Comparison:
+    """One pre-registered comparison: ``arm`` − ``comparator`` on ``setting`` (final held-out
+    accuracy, paired by seed). Arms are objective labels, or, under ``lr_select``, objective
+    families (the part of a label before ``@``) each at its chosen rate."""
+
+    setting: str
+    arm: str
+    comparator: str = "p3o"
+
+
+@dataclass(frozen=True)
+class LrSelect:
+    """Each arm's learning rate chosen on ``seeds`` and tested on ``test_seeds`` (disjoint).
+
+    ``lrs``: the rates; each objective label L of the grid then runs as ``L@lr<rate>`` with
+    ``optim.lr`` set (empty: the grid's own ``NAME@…`` labels with their ``optim.lr``).
+    ``per``: ``setting`` (each arm's rate chosen separately on every setting) or ``control``
+    (once, on the control setting, and held fixed on the others)."""
+
+    seeds: List[int] = field(default_factory=list)
+    test_seeds: List[int] = field(default_factory=list)
+    lrs: List[float] = field(default_factory=list)
+    per: str = "setting"
+
+
+LR_SELECT_PER = ("setting", "control")
 
 REPORTING_NOISE = "reporting noise, not a distribution shift"
 
@@ -95,6 +131,23 @@ class GridConfig:
     probe_prompts: int = 0
     world_size: int = 1  # ranks each cell runs on (checked by --list on a laptop)
     notes: str = ""  # the experimenter's reading, printed in the report above the computed findings
+    # v4: the confirmatory comparisons, declared before the runs (one Holm family per study,
+    # equivalence by TOST at ±equivalence_margin); every other comparison is exploratory
+    preregistered: List[Comparison] = field(default_factory=list)
+    equivalence_margin: float = 0.02
+    lr_select: Optional[LrSelect] = (
+        None  # v4: learning rates chosen on some seeds, tested on others
+    )
+    # the cells' store: a cell whose resolved config already ran (here or in another grid with
+    # the same store) is reused from it instead of trained again ("" = no store)
+    store: str = ""
+    store_across_commits: bool = False  # reuse cells of another commit (of a dirty tree's diff)
+    path: str = ""  # the grid file (set by load_grid)
+
+    @property
+    def v4(self) -> bool:
+        """Whether the grid's reports use the v4 statistics (declared family, TOST calls)."""
+        return bool(self.preregistered) or self.lr_select is not None
 
 
 @dataclass(frozen=True)
@@ -151,6 +204,27 @@ def load_grid(path: str | Path) -> GridConfig:
         k: _build(MismatchSpec, _mapping(p, f"mismatch.{k}", v), f"mismatch.{k}")
         for k, v in data.pop("mismatch").items()
     }
+    if "path" in data:  # a field, set below to where the grid was read from
+        raise ConfigError(f"grid {p}: unknown grid key 'path'")
+    prereg = data.pop("preregistered", None) or []
+    if not isinstance(prereg, list):
+        raise ConfigError(
+            f"grid {p}: preregistered: expected a list of {{setting, arm, comparator}}"
+        )
+    prereg = [
+        _build(Comparison, _mapping(p, f"preregistered[{i}]", v), f"preregistered[{i}]")
+        for i, v in enumerate(prereg)
+    ]
+    lr_sel = data.pop("lr_select", None)
+    lr_sel = (
+        None if lr_sel is None else _build(LrSelect, _mapping(p, "lr_select", lr_sel), "lr_select")
+    )
+    if lr_sel is not None:
+        objectives = _lr_select_objectives(p, lr_sel, objectives)
+        for m in mismatch.values():  # a setting's subset names arms: run each at every rate
+            m.objectives[:] = [o for a in m.objectives for o in _expand(a, objectives)]
+        if "seeds" not in data:
+            data["seeds"] = sorted(set(lr_sel.seeds) | set(lr_sel.test_seeds))
     grid = _build(GridConfig, data)
     for key, v, lo in (
         ("eval_limit", grid.eval_limit, 0),
@@ -159,13 +233,23 @@ def load_grid(path: str | Path) -> GridConfig:
     ):
         if v < lo:
             raise ConfigError(f"grid {p}: {key}={v} must be >= {lo}")
-    grid = GridConfig(**{**grid.__dict__, "objectives": objectives, "mismatch": mismatch})
+    grid = GridConfig(
+        **{
+            **grid.__dict__,
+            "objectives": objectives,
+            "mismatch": mismatch,
+            "preregistered": prereg,
+            "lr_select": lr_sel,
+            "path": str(p),
+        }
+    )
+    _check_v4(p, grid)
     if not grid.base:
         raise ConfigError(f"grid {p}: 'base' (the recipe every cell starts from) is required")
     if not grid.seeds:
         raise ConfigError(f"grid {p}: 'seeds' is empty")
     for c in grid.comparators:
-        if c not in objectives:
+        if c not in objectives and not (lr_sel and any(arm_of(k) == c for k in objectives)):
             raise ConfigError(
                 f"grid {p}: comparators: {c!r} is not an objective label ({sorted(objectives)})"
             )
@@ -183,6 +267,92 @@ def load_grid(path: str | Path) -> GridConfig:
             "(each level is compared with the objective's own control)"
         )
     return grid
+
+
+def lr_tag(lr: float) -> str:
+    """``1e-4`` for 1.0e-4, ``2.5e-4`` for 2.5e-4: the rate in an objective label."""
+    mant, exp = f"{float(lr):.6e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
+def arm_of(label: str) -> str:
+    """The arm (objective family) a label belongs to: ``p3o@lr1e-4`` → ``p3o``."""
+    return label.split("@", 1)[0]
+
+
+def _expand(arm: str, objectives: Dict[str, ObjectiveSpec]) -> List[str]:
+    """The labels of ``arm`` (itself if it is a label, else its ``arm@…`` variants)."""
+    if arm in objectives:
+        return [arm]
+    return [k for k in objectives if arm_of(k) == arm] or [arm]
+
+
+def _lr_select_objectives(p: Path, sel: LrSelect, objectives: Dict[str, ObjectiveSpec]):
+    """The objectives under ``lr_select``: with ``lrs``, each label L becomes ``L@lr<rate>`` per
+    rate (``optim.lr`` set); without, the grid's own labels."""
+    if not sel.lrs:
+        return objectives
+    out = {}
+    for k, o in objectives.items():
+        if "@" in k or "optim.lr" in o.set:
+            raise ConfigError(
+                f"grid {p}: objectives.{k}: with lr_select.lrs the rates come from lr_select "
+                "(name each arm once, without '@' and without its own optim.lr)"
+            )
+        for lr in sel.lrs:
+            out[f"{k}@lr{lr_tag(lr)}"] = ObjectiveSpec(
+                o.objective, dict(o.hyper), {**o.set, "optim.lr": float(lr)}
+            )
+    return out
+
+
+def _check_v4(p: Path, grid: GridConfig) -> None:
+    """The declared family names settings and arms of the grid; the lr split is disjoint and
+    inside the grid's seeds."""
+    # under lr_select an arm is an objective family (each at its chosen rate), else a label
+    arms = {arm_of(k) for k in grid.objectives} if grid.lr_select else set(grid.objectives)
+    for i, c in enumerate(grid.preregistered):
+        if c.setting not in grid.mismatch:
+            raise ConfigError(
+                f"grid {p}: preregistered[{i}].setting: {c.setting!r} is not a mismatch label "
+                f"({sorted(grid.mismatch)})"
+            )
+        for key in ("arm", "comparator"):
+            v = getattr(c, key)
+            if v not in arms:
+                raise ConfigError(
+                    f"grid {p}: preregistered[{i}].{key}: {v!r} is not an objective "
+                    f"({sorted(arms)})"
+                )
+        if c.arm == c.comparator:
+            raise ConfigError(
+                f"grid {p}: preregistered[{i}]: arm and comparator are both {c.arm!r}"
+            )
+    seen = [(c.setting, c.arm, c.comparator) for c in grid.preregistered]
+    if len(set(seen)) < len(seen):
+        raise ConfigError(f"grid {p}: preregistered: a comparison is declared twice")
+    if not 0 < grid.equivalence_margin < 1:
+        raise ConfigError(
+            f"grid {p}: equivalence_margin={grid.equivalence_margin} must be in (0, 1)"
+        )
+    sel = grid.lr_select
+    if sel is None:
+        return
+    if not sel.seeds or not sel.test_seeds:
+        raise ConfigError(f"grid {p}: lr_select: 'seeds' and 'test_seeds' must both be non-empty")
+    if set(sel.seeds) & set(sel.test_seeds):
+        raise ConfigError(
+            f"grid {p}: lr_select: seeds {sorted(set(sel.seeds) & set(sel.test_seeds))} are in "
+            "both 'seeds' and 'test_seeds' (the rate must be chosen on other seeds than it is "
+            "tested on)"
+        )
+    missing = sorted((set(sel.seeds) | set(sel.test_seeds)) - set(grid.seeds))
+    if missing:
+        raise ConfigError(f"grid {p}: lr_select: seeds {missing} are not in the grid's seeds")
+    if sel.per not in LR_SELECT_PER:
+        raise ConfigError(f"grid {p}: lr_select.per={sel.per!r}: one of {LR_SELECT_PER}")
+    if any(not float(lr) > 0 for lr in sel.lrs):
+        raise ConfigError(f"grid {p}: lr_select.lrs: every rate must be > 0")
 
 
 def cells(grid: GridConfig) -> List[Cell]:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-from .grid import GridConfig, control_setting
+from .grid import GridConfig, arm_of, control_setting
 from .stats import adjust, mean_sd, seed_paired, seed_scores
 
 
 def family(label: str) -> str:
     """The objective a label belongs to: ``p3o@lr1e-4`` → ``p3o``."""
-    return label.split("@", 1)[0]
+    return arm_of(label)
 
 
 def label_rate(grid: GridConfig, label: str, base_lr: Optional[float] = None):
@@ -77,8 +77,117 @@ def sensitivity(cells: List[dict], by_lr: Dict[float, str], mismatch: str):
     return max(fin, key=fin.get), max(fin.values()) - min(fin.values()), stats
 
 
+# -- v4: each arm's rate chosen on the selection seeds, tested on the others -------------------
+
+
+def arm_rates(grid: GridConfig, base_lr: Optional[float] = None) -> Dict[str, Dict[float, str]]:
+    """arm -> {learning rate -> objective label}, every arm (one rate or several); a label
+    without a known rate is its arm's only entry, under NaN."""
+    out: Dict[str, Dict[float, str]] = {}
+    for label in grid.objectives:
+        lr = label_rate(grid, label, base_lr)
+        out.setdefault(family(label), {})[math.nan if lr is None else float(lr)] = label
+    return {a: dict(sorted(r.items())) for a, r in out.items()}
+
+
+def _selection_score(cells: List[dict], label: str, setting: str, seeds) -> tuple:
+    """How a rate ranks on the selection seeds: (−failed cells, mean final accuracy of the
+    finished ones); a rate none of whose selection cells finished ranks last."""
+    sel = [c for c in cells if c["objective"] == label and c["mismatch"] == setting]
+    sel = [c for c in sel if c["seed"] in seeds]
+    failed = sum(1 for c in sel if c["status"] != "ok")
+    ok = [s for seed, s in seed_scores(cells, label, setting).items() if seed in seeds]
+    return (-failed, sum(ok) / len(ok)) if ok else None
+
+
+def chosen_rates(
+    grid: GridConfig, cells: List[dict], base_lr: Optional[float] = None
+) -> Dict[tuple, Optional[str]]:
+    """``{(arm, setting): the label of its chosen rate}`` under ``grid.lr_select``: the rate with
+    the fewest failed selection cells, then the highest mean final accuracy over the selection
+    seeds (``lr_select.seeds``), the lower rate on an exact tie; per setting, or once on the
+    control setting (``per: control``) and held on every setting. None: nothing to choose on.
+    Without ``lr_select`` every arm is its own label."""
+    sel = grid.lr_select
+    out: Dict[tuple, Optional[str]] = {}
+    for arm, by_lr in arm_rates(grid, base_lr).items():
+        for mm in grid.mismatch:
+            if sel is None:
+                out[(arm, mm)] = arm if arm in grid.objectives else None
+                continue
+            where = control_setting(grid) if sel.per == "control" else mm
+            scored = [
+                (sc, -i, lab)
+                for i, lab in enumerate(by_lr.values())
+                if (sc := _selection_score(cells, lab, where, set(sel.seeds))) is not None
+            ]
+            out[(arm, mm)] = max(scored)[2] if scored else None
+    return out
+
+
+def arm_scores(
+    grid: GridConfig, cells: List[dict], arm: str, setting: str, chosen: Dict[tuple, Optional[str]]
+) -> Dict[int, float]:
+    """seed -> final accuracy of ``arm`` on ``setting`` for the confirmatory test: its chosen
+    rate's cells on the test seeds (``lr_select.test_seeds``), else the arm's label, every seed."""
+    label = chosen.get((arm, setting))
+    if label is None:
+        return {}
+    scores = seed_scores(cells, label, setting)
+    if grid.lr_select is None:
+        return scores
+    test = set(grid.lr_select.test_seeds)
+    return {s: v for s, v in scores.items() if s in test}
+
+
+def lr_select_section(
+    grid: GridConfig, cells: List[dict], base_lr: Optional[float] = None
+) -> List[str]:
+    """Markdown: each arm's chosen rate per setting, with the selection seeds' means per rate."""
+    sel = grid.lr_select
+    if sel is None:
+        return []
+    chosen = chosen_rates(grid, cells, base_lr)
+    how = (
+        "per setting" if sel.per == "setting" else f"once, on the control `{control_setting(grid)}`"
+    )
+    lines = [
+        "## Learning rates chosen on the selection seeds",
+        "",
+        f"Each arm's rate is chosen {how} by mean final held-out accuracy over seeds "
+        f"{', '.join(map(str, sel.seeds))} (fewest failed cells first); the confirmatory tests "
+        f"use only seeds {', '.join(map(str, sel.test_seeds))} at the chosen rates. Selection "
+        "means per rate, chosen rate in bold:",
+        "",
+        "| arm | setting | selection means | chosen |",
+        "|---" * 4 + "|",
+    ]
+    for arm, by_lr in arm_rates(grid, base_lr).items():
+        for mm in grid.mismatch:
+            where = control_setting(grid) if sel.per == "control" else mm
+            cols = []
+            for lr, lab in by_lr.items():
+                sc = _selection_score(cells, lab, where, set(sel.seeds))
+                txt = f"{lr:g}: " + ("—" if sc is None else f"{sc[1]:.3f}")
+                txt += f" ({-sc[0]} failed)" if sc and sc[0] else ""
+                cols.append(f"**{txt}**" if lab == chosen.get((arm, mm)) else txt)
+            got = chosen.get((arm, mm))
+            rate = next((lr for lr, lab in by_lr.items() if lab == got), None)
+            if all(c.endswith("—") for c in cols):
+                continue
+            lines.append(
+                f"| {arm} | {mm} | {'; '.join(cols)} | "
+                + ("—" if rate is None else f"{rate:g}")
+                + " |"
+            )
+    return lines
+
+
 def lr_section(grid: GridConfig, cells: List[dict], base_lr: Optional[float] = None) -> List[str]:
-    """Markdown: the per-rate table with sensitivities, then the best-rate comparisons."""
+    """Markdown: the per-rate table with sensitivities, then the best-rate comparisons (v4
+    grids: the rates chosen on the selection seeds instead; their tests are the headline's)."""
+    if grid.v4:
+        return lr_select_section(grid, cells, base_lr)
     rates = learning_rates(grid, base_lr)
     if not rates:
         return []

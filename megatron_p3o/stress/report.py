@@ -8,16 +8,23 @@ import math
 import shutil
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..metrics import COARSE_HIST_RANGE
 from .dose import dose_section, plot_dose
-from .grid import REPORTING_NOISE, GridConfig, reports_noise
+from .grid import REPORTING_NOISE, GridConfig, arm_of, reports_noise
 from .long_run import long_run_section, plot_eval_curves
-from .lr_sweep import lr_section
+from .lr_sweep import arm_scores, chosen_rates, lr_section
 from .mechanisms import mechanisms_section
 from .provenance import GRID_RUNS, grid_runs, mixed, wall_text
-from .stats import adjust, best_baseline_bootstrap, mean_sd, seed_paired, seed_scores
+from .stats import (
+    adjust,
+    adjust_with_equivalence,
+    best_baseline_bootstrap,
+    mean_sd,
+    seed_paired,
+    seed_scores,
+)
 
 STEP_KEYS = (
     "reward_mean",
@@ -336,6 +343,127 @@ def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]
     return lines, text
 
 
+# -- v4: the declared family, TOST equivalence, the lr split ------------------------------------
+
+
+def _p3o_arm(grid: GridConfig) -> Optional[str]:
+    """P3O's arm: its label, or under ``lr_select`` its family (``p3o``)."""
+    p3o = _subject(grid)[0]
+    return None if p3o is None else (arm_of(p3o) if grid.lr_select else p3o)
+
+
+def v4_tests(grid: GridConfig, cells: List[dict], base_lr=None):
+    """``(declared, exploratory)``: rows ``(grid name, setting, arm, comparator, arm's seed
+    scores, comparator's, SeedTest or None)``, not yet adjusted. Declared: the grid's
+    ``preregistered`` comparisons, in their order. Exploratory: every other arm − P3O on every
+    setting where both ran (outside the family: never adjusted with it). Scores are each arm's
+    chosen rate on the test seeds under ``lr_select``, else the label's every seed."""
+    chosen = chosen_rates(grid, cells, base_lr)
+    margin = grid.equivalence_margin
+
+    def row(mm, arm, comp):
+        a = arm_scores(grid, cells, arm, mm, chosen)
+        b = arm_scores(grid, cells, comp, mm, chosen)
+        return (grid.name, mm, arm, comp, a, b, seed_paired(a, b, arm, margin=margin))
+
+    declared = [row(c.setting, c.arm, c.comparator) for c in grid.preregistered]
+    named = {(c.setting, frozenset((c.arm, c.comparator))) for c in grid.preregistered}
+    p3o = _p3o_arm(grid)
+    arms = list(dict.fromkeys(a for a, _ in chosen))
+    exploratory = []
+    for mm in grid.mismatch:
+        for arm in arms:
+            if p3o is None or arm == p3o or (mm, frozenset((arm, p3o))) in named:
+                continue
+            r = row(mm, arm, p3o)
+            if r[4] or r[5]:
+                exploratory.append(r)
+    return declared, exploratory
+
+
+def adjust_family(rows):
+    """The rows with their tests adjusted together (superiority and TOST in one family)."""
+    tests = adjust_with_equivalence([r[-1] for r in rows])
+    return [(*r[:-1], t) for r, t in zip(rows, tests)]
+
+
+def _chosen_label(grid: GridConfig, chosen: dict, arm: str, mm: str) -> str:
+    """``grpo (lr 3e-4)``: the arm at its chosen rate (the arm alone without ``lr_select``)."""
+    if grid.lr_select is None:
+        return arm
+    lab = chosen.get((arm, mm))
+    return f"{arm} (lr {lab.split('@lr', 1)[1]})" if lab and "@lr" in lab else str(lab or arm)
+
+
+V4_HEADER = [
+    "| setting | arm − comparator | arm | comparator | per-seed differences | "
+    "Δ [95% t-CI] | p (t) | p Holm | p TOST | p TOST Holm | p sign-flip | call |",
+    "|---" * 12 + "|",
+]
+
+
+def v4_row(r, adjusted: bool = True, labels=None) -> str:
+    """One line of the v4 table (``labels``: what to print for the arm and the comparator)."""
+    _, mm, arm, comp, a, b, t = r
+    what = " − ".join(labels or (arm, comp))
+    if t is None:
+        return f"| {mm} | {what} | {_spread(a)} | {_spread(b)} |" + " — |" * 8
+    per = ", ".join(f"{d:+.3f}" for d in t.diffs)
+    if adjusted:
+        adj, tadj, call = f"{t.p_adj:.3g}", f"{t.p_tost_adj:.3g}", f"**{t.verdict()}**"
+    else:
+        adj, tadj, call = "—", "—", f"{t.verdict()} (exploratory)"
+    return (
+        f"| {mm} | {what} | {_spread(a)} | {_spread(b)} | {per} | "
+        f"{t.mean:+.3f} [{t.lo:+.3f}, {t.hi:+.3f}] | {t.p_t:.3g} | {adj} | {t.p_tost:.3g} | "
+        f"{tadj} | {t.p_perm:.3g} | {call} |"
+    )
+
+
+def v4_headline(grid: GridConfig, cells: List[dict], base_lr=None) -> Tuple[List[str], List[str]]:
+    """The v4 headline of one grid: its declared comparisons (Holm over this grid's family:
+    the study summary adjusts over every grid's) and the exploratory rest."""
+    declared, exploratory = v4_tests(grid, cells, base_lr)
+    declared = adjust_family(declared)
+    chosen = chosen_rates(grid, cells, base_lr)
+
+    def labels(r):
+        return _chosen_label(grid, chosen, r[2], r[1]), _chosen_label(grid, chosen, r[3], r[1])
+
+    margin = grid.equivalence_margin
+    n = sum(r[-1] is not None for r in declared)
+    lines = [
+        f"Declared before the runs: {len(grid.preregistered)} comparisons (`preregistered:` in "
+        f"the grid file); {n} testable. Holm over their {2 * n} hypotheses (superiority "
+        f"Δ = 0 and TOST equivalence |Δ| ≥ {margin:g}, at most one of each pair true) within "
+        "this grid; the study summary adjusts over every grid's declared comparisons.",
+        "",
+        *V4_HEADER,
+        *[v4_row(r, True, labels(r)) for r in declared],
+    ]
+    if exploratory:
+        lines += [
+            "",
+            "Exploratory (not declared, outside the family; p unadjusted, calls not claims):",
+            "",
+            *V4_HEADER,
+            *[v4_row(r, False, labels(r)) for r in exploratory],
+        ]
+    said: Dict[str, List[str]] = defaultdict(list)
+    for _, mm, arm, comp, _, _, t in declared:
+        if t is not None:
+            said[t.verdict()].append(f"{mm}: {arm} − {comp} {t.mean:+.3f}")
+    text = [
+        f"- {n} declared comparisons; `better`/`worse` need the Holm-adjusted t-test p < 0.05 "
+        f"and the interval on that side of 0; `equivalent` needs the Holm-adjusted TOST p < 0.05 "
+        f"(Δ within ±{margin:g}); anything else is `inconclusive` (not evidence of no difference)."
+    ]
+    for v in ("better", "worse", "equivalent", "inconclusive"):
+        if said[v]:
+            text.append(f"- {v} ({len(said[v])}): " + "; ".join(said[v]) + ".")
+    return lines, text
+
+
 def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
     """Final accuracy against the *measured* mismatch (mean |ℓθ − ℓb| over the run's optimizer
     steps), one panel per family (its levels plus the baseline setting), one line per
@@ -555,7 +683,10 @@ def write_report(
                 else ""
             )
         )
-    table, sentences = headline(grid, cells)
+    if grid.v4:
+        table, sentences = v4_headline(grid, cells, _base_lr(grid))
+    else:
+        table, sentences = headline(grid, cells)
     mixed_from = mixed(cells)
     md += [""] + [f"**Provenance: {m}.**" for m in mixed_from]
     if not mixed_from and cells:
@@ -570,16 +701,34 @@ def write_report(
     if grid.notes.strip():
         md += [grid.notes.strip(), "", "Computed from the tables below:", ""]
     md += sentences + findings(grid, cells)
-    md += [
-        "",
-        "## Headline: P3O against the pre-registered comparators (paired by seed)",
-        "",
-        "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit of "
-        "inference is the seed (each a full training run). Differences are paired per seed; "
-        "95% t-interval over seeds; p-values Holm-adjusted across every test of this report; "
-        "a win or loss is called only when the corrected test rejects.",
-        "",
-    ] + table
+    if grid.v4:
+        md += [
+            "",
+            "## Headline: the declared comparisons (paired by seed)",
+            "",
+            "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit of "
+            "inference is the seed (each a full training run). Differences arm − comparator "
+            "are paired per seed"
+            + (
+                f", on the test seeds {', '.join(map(str, grid.lr_select.test_seeds))} at each "
+                "arm's rate chosen on the others"
+                if grid.lr_select
+                else ""
+            )
+            + "; 95% t-interval over seeds.",
+            "",
+        ] + table
+    else:
+        md += [
+            "",
+            "## Headline: P3O against the pre-registered comparators (paired by seed)",
+            "",
+            "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit of "
+            "inference is the seed (each a full training run). Differences are paired per seed; "
+            "95% t-interval over seeds; p-values Holm-adjusted across every test of this report; "
+            "a win or loss is called only when the corrected test rejects.",
+            "",
+        ] + table
     md += [""] + lr_section(grid, cells, _base_lr(grid))
     md += [""] + dose_section(grid, cells)
     md += [""] + mechanisms_section(grid, cells)

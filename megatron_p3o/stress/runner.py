@@ -4,6 +4,15 @@ A finished cell leaves ``<work>/<cell>/cell.json`` (its summary); a rerun of the
 A cell that was interrupted is started again from scratch (its run directory is cleared). A cell
 that fails (a NaN, a diverged run) is recorded as failed with its message and the grid goes on —
 a stress experiment is expected to break some configurations, and the report says which.
+
+The cells' store (a grid's ``store: DIR``): every cell that finishes ``ok`` is also filed under
+``DIR/<key>/`` (its ``cell.json``, ``metrics.jsonl`` and the key's material, ``key.json``), where
+the key is a hash of what the cell's numbers depend on: its full resolved recipe less its output
+paths, ports and W&B naming (:data:`STORE_SKIP`), the grid's ``eval_limit`` and
+``probe_prompts``, the bytes of the base checkpoint and of the data files, the CPU's instruction
+set and — unless ``store_across_commits`` — the code (commit, and the diff of a dirty tree). A
+cell of any grid with the same store whose key is filed there is not trained again:
+:func:`finished` copies the record into the cell's run directory, marked ``reused_from``.
 """
 
 from __future__ import annotations
@@ -165,6 +174,10 @@ def run_cell(
         tmp = run_dir / (SUMMARY + ".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(run_dir / SUMMARY)  # the marker appears whole or not at all
+        file_in_store(grid, cfg, run_dir, summary)
+    if grid.store and dist.is_initialized():
+        # every rank must see the stored cell before asking finished() about the next one
+        dist.barrier()
     return summary
 
 
@@ -207,8 +220,171 @@ def _start_accuracy(grid: GridConfig, cfg: TrainConfig, trainer) -> float:
 
 
 def finished(grid: GridConfig, cell: Cell) -> Optional[Dict]:
+    """The cell's summary if it has finished — or, with a store, if a cell of the same key has
+    (the record is then copied into this cell's run directory, see :func:`reuse`)."""
     f = Path(grid.work) / cell.id / SUMMARY
-    return json.loads(f.read_text()) if f.is_file() else None
+    if f.is_file():
+        return json.loads(f.read_text())
+    return reuse(grid, cell) if grid.store else None
+
+
+# -- the cells' store ----------------------------------------------------------------------------
+
+STORE_SKIP = (
+    "run.name",
+    "run.dir",
+    "run.exit_signals",
+    "run.exit_after_minutes",
+    "wandb",
+    "rollout.sglang.port",
+    "rollout.sglang.router_port",
+    "rollout.sglang.log_dir",
+    "rollout.weight_sync_port",
+    "rollout.weight_sync_dir",
+)
+STORE_KEY = "key.json"
+_LABELS = ("cell", "objective", "mismatch", "family", "level", "seed")  # the cell's, not its key's
+_hash_cache: Dict[tuple, str] = {}
+
+
+def _file_hash(path: str) -> str:
+    """tree_hash of a checkpoint or data file, once per process and (path, mtime, size)."""
+    from .provenance import tree_hash
+
+    if not path:
+        return "none"
+    p = Path(path)
+    st = p.stat() if p.exists() else None
+    k = (str(p.resolve()), st.st_mtime_ns if st else 0, st.st_size if st else 0)
+    if k not in _hash_cache:
+        _hash_cache[k] = tree_hash(p)
+    return _hash_cache[k]
+
+
+def code_key() -> str:
+    """The commit, plus the hash of ``git diff HEAD`` (outside docs/) when the tree is dirty:
+    two dirty trees with other edits are other code."""
+    import hashlib
+    import subprocess
+
+    from .provenance import _ROOT, code_commit
+
+    if "code" in _hash_cache:
+        return _hash_cache["code"]
+    commit = code_commit()
+    if commit.endswith("+dirty"):
+        diff = subprocess.run(
+            ["git", "-C", str(_ROOT), "diff", "HEAD", "--", ".", ":(exclude)docs"],
+            capture_output=True, timeout=60,
+        ).stdout  # fmt: skip
+        commit += ":" + hashlib.sha256(diff).hexdigest()[:16]
+    _hash_cache["code"] = commit
+    return commit
+
+
+def store_material(grid: GridConfig, cfg: TrainConfig) -> dict:
+    """What a cell's numbers depend on (the store's key is its hash)."""
+    from ..config import to_dict
+    from .provenance import cpu_isa
+
+    conf = to_dict(cfg)
+    for dotted in STORE_SKIP:
+        *parents, last = dotted.split(".")
+        node = conf
+        for k in parents:
+            node = node.get(k, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return {
+        "config": conf,
+        "eval_limit": grid.eval_limit,
+        "probe_prompts": grid.probe_prompts,
+        "base_hash": _file_hash(cfg.model.checkpoint),
+        "data_hash": [_file_hash(cfg.data.path), _file_hash(cfg.data.eval_path)],
+        "cpu_isa": cpu_isa(),
+        "code": None if grid.store_across_commits else code_key(),
+    }
+
+
+def store_key(material: dict) -> str:
+    import hashlib
+
+    text = json.dumps(material, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+_key_cache: Dict[tuple, tuple] = {}
+
+
+def _cell_key(grid: GridConfig, cell: Cell) -> tuple:
+    """(key, material) of a cell of ``grid`` (its config as :func:`~.grid.cell_config` makes it
+    for the grid's world size), cached per process: :func:`finished` is called often."""
+    from .grid import cell_config
+
+    k = (grid.work, grid.store, cell.id, tuple(cell.overrides), grid.eval_limit, grid.probe_prompts)
+    if k not in _key_cache:
+        mat = store_material(grid, cell_config(grid, cell))
+        _key_cache[k] = (store_key(mat), mat)
+    return _key_cache[k]
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+    shutil.copyfile(src, tmp)
+    tmp.replace(dst)
+
+
+def file_in_store(grid: GridConfig, cfg: TrainConfig, run_dir: Path, summary: dict) -> None:
+    """File a finished ``ok`` cell under its key (first one wins; a failed cell is not filed:
+    a failure may be the machine's, and the next grid should try again)."""
+    if not grid.store or summary.get("status") != "ok" or summary.get("reused_from"):
+        return
+    mat = store_material(grid, cfg)
+    d = Path(grid.store) / store_key(mat)
+    if (d / SUMMARY).is_file():
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    (d / STORE_KEY).write_text(json.dumps(mat, indent=1, sort_keys=True, default=str))
+    if (run_dir / "metrics.jsonl").is_file():
+        _copy_atomic(run_dir / "metrics.jsonl", d / "metrics.jsonl")
+    rec = {**summary, "stored_from": str(run_dir)}
+    tmp = d / f"{SUMMARY}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(rec, indent=1))
+    tmp.replace(d / SUMMARY)  # the entry exists once its record is whole
+
+
+def reuse(grid: GridConfig, cell: Cell) -> Optional[Dict]:
+    """The stored record of a cell with this cell's key, copied into ``<work>/<cell>/`` (with
+    its metrics.jsonl) under this cell's labels and marked ``reused_from`` (the stored run
+    directory, and the key); None when the store has none."""
+    key, _ = _cell_key(grid, cell)
+    d = Path(grid.store) / key
+    if not (d / SUMMARY).is_file():
+        return None
+    rec = json.loads((d / SUMMARY).read_text())
+    origin = rec.pop("stored_from", "")
+    rec.update(
+        cell=cell.id,
+        objective=cell.objective,
+        mismatch=cell.mismatch,
+        family=cell.family,
+        level=cell.level,
+        seed=cell.seed,
+        reused_from=f"{origin} (store key {key})",
+    )
+    if grid.path:  # the grid it now belongs to (the original grid's hash is kept beside it)
+        from .provenance import tree_hash
+
+        rec["reused_grid_hash"] = rec.get("grid_hash", "unrecorded")
+        rec["grid_hash"] = tree_hash(grid.path)
+    run_dir = Path(grid.work) / cell.id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (d / "metrics.jsonl").is_file():
+        _copy_atomic(d / "metrics.jsonl", run_dir / "metrics.jsonl")
+    tmp = run_dir / f"{SUMMARY}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(rec, indent=1))
+    tmp.replace(run_dir / SUMMARY)
+    return rec
 
 
 def step_rows(grid: GridConfig, cell: Cell) -> List[dict]:

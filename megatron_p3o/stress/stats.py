@@ -192,15 +192,46 @@ def sign_flip_p(diffs: Sequence[float], n_mc: int = 200_000, seed: int = 0) -> f
     return float(((stats >= obs - 1e-12).sum() + 1) / (n_mc + 1))
 
 
-def holm(pvalues: Sequence[float]) -> List[float]:
-    """Holm's step-down adjusted p-values (family-wise error control), in the input order."""
+def holm(pvalues: Sequence[float], max_true: Optional[int] = None) -> List[float]:
+    """Holm's step-down adjusted p-values (family-wise error control), in the input order.
+
+    ``max_true``: at most this many of the hypotheses can be true together (a logical
+    constraint: each comparison's superiority null Δ = 0 and its equivalence null |Δ| ≥ margin
+    exclude each other, so a family of m comparisons tested both ways has 2m hypotheses of which
+    at most m are true). The multiplier at step j (0-based) is then min(max_true, m − j), the
+    number of true nulls possible after any j rejections (Shaffer 1986, method 1); None: Holm."""
     m = len(pvalues)
+    cap = m if max_true is None else max(1, min(m, max_true))
     order = sorted(range(m), key=lambda i: pvalues[i])
     out, running = [0.0] * m, 0.0
     for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        running = max(running, min(1.0, min(cap, m - rank) * pvalues[i]))
         out[i] = running
     return out
+
+
+EQUIVALENCE_MARGIN = 0.02  # ±2 points of final accuracy: "no practical difference" (v4)
+VERDICTS = ("better", "worse", "equivalent", "inconclusive")
+
+
+def t_sf1(t: float, df: float) -> float:
+    """Upper tail P(T ≥ t) of Student's t with ``df`` degrees of freedom."""
+    half = 0.5 * t_sf2(t, df)
+    return half if t >= 0 else 1.0 - half
+
+
+def tost_p(mean: float, sd: float, n: int, margin: float = EQUIVALENCE_MARGIN) -> float:
+    """p of the two one-sided paired t-tests (TOST) of equivalence within ±``margin``: the larger
+    of P(T ≥ (mean + margin)/se) under H0 Δ ≤ −margin and P(T ≤ (mean − margin)/se) under H0
+    Δ ≥ +margin, df = n − 1. Rejecting (p < α) says −margin < Δ < margin."""
+    if n < 2:
+        return 1.0
+    if sd == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    se = sd / math.sqrt(n)
+    p_low = t_sf1((mean + margin) / se, n - 1)  # H0: Δ ≤ −margin
+    p_high = t_sf1(-(mean - margin) / se, n - 1)  # H0: Δ ≥ +margin
+    return max(p_low, p_high)
 
 
 @dataclass(frozen=True)
@@ -223,6 +254,10 @@ class SeedTest:
     p_t: float
     p_perm: float
     p_adj: Optional[float] = None
+    # equivalence (v4): TOST at ±margin, its p and its adjustment in the same family as p_adj
+    margin: float = EQUIVALENCE_MARGIN
+    p_tost: float = float("nan")
+    p_tost_adj: Optional[float] = None
 
     def call(self, alpha: float = 0.05) -> str:
         """win / loss only when the corrected test rejects (and the interval agrees); else tie."""
@@ -233,6 +268,22 @@ class SeedTest:
         if ok and self.hi < 0:
             return "loss"
         return "tie"
+
+    def verdict(self, alpha: float = 0.05) -> str:
+        """The v4 call: ``better`` / ``worse`` when the adjusted superiority p < ``alpha`` and
+        the t-interval lies on that side of 0; else ``equivalent`` when the adjusted TOST p <
+        ``alpha`` (the difference lies within ±margin); else ``inconclusive`` — never "tie".
+        The sign-flip p is reported, not required (its floor 2/2^S is 0.125 at 4 test seeds).
+        A difference both significant and within the margin is called by its sign."""
+        p = self.p_adj if self.p_adj is not None else self.p_t
+        if p < alpha and self.lo > 0:
+            return "better"
+        if p < alpha and self.hi < 0:
+            return "worse"
+        q = self.p_tost_adj if self.p_tost_adj is not None else self.p_tost
+        if q < alpha:
+            return "equivalent"
+        return "inconclusive"
 
 
 def mean_sd(xs: Sequence[float]) -> Tuple[float, float]:
@@ -245,10 +296,15 @@ def mean_sd(xs: Sequence[float]) -> Tuple[float, float]:
 
 
 def seed_paired(
-    subject: Dict[int, float], comparator: Dict[int, float], name: str = "", level: float = 0.95
+    subject: Dict[int, float],
+    comparator: Dict[int, float],
+    name: str = "",
+    level: float = 0.95,
+    margin: float = EQUIVALENCE_MARGIN,
 ) -> Optional[SeedTest]:
     """The paired seed-level test of ``subject`` − ``comparator`` (seed -> score, e.g. final
-    accuracy) on the seeds both have; None with fewer than 2 common seeds."""
+    accuracy) on the seeds both have, with its TOST p at ±``margin``; None with fewer than 2
+    common seeds."""
     common = sorted(set(subject) & set(comparator))
     if len(common) < 2:
         return None
@@ -258,8 +314,9 @@ def seed_paired(
     half = t_ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
     p_t = t_sf2(mean / (sd / math.sqrt(n)), n - 1) if sd > 0 else (1.0 if mean == 0 else 0.0)
     return SeedTest(
-        name, tuple(common), tuple(d), mean, sd, mean - half, mean + half, p_t, sign_flip_p(d)
-    )
+        name, tuple(common), tuple(d), mean, sd, mean - half, mean + half, p_t, sign_flip_p(d),
+        margin=margin, p_tost=tost_p(mean, sd, n, margin),
+    )  # fmt: skip
 
 
 def adjust(tests: Sequence[Optional[SeedTest]]) -> List[Optional[SeedTest]]:
@@ -267,6 +324,24 @@ def adjust(tests: Sequence[Optional[SeedTest]]) -> List[Optional[SeedTest]]:
     live = [t for t in tests if t is not None]
     adj = iter(holm([t.p_t for t in live]))
     return [None if t is None else replace(t, p_adj=next(adj)) for t in tests]
+
+
+def adjust_with_equivalence(tests: Sequence[Optional[SeedTest]]) -> List[Optional[SeedTest]]:
+    """Every test with ``p_adj`` (superiority) and ``p_tost_adj`` (equivalence) adjusted in ONE
+    family: the 2m hypotheses of the m comparisons, Holm with at most m true together (a
+    comparison's Δ = 0 and |Δ| ≥ margin exclude each other: :func:`holm`'s ``max_true``)."""
+    live = [t for t in tests if t is not None]
+    m = len(live)
+    adj = holm([t.p_t for t in live] + [t.p_tost for t in live], max_true=m)
+    it = iter(zip(adj[:m], adj[m:]))
+    out: List[Optional[SeedTest]] = []
+    for t in tests:
+        if t is None:
+            out.append(None)
+            continue
+        a, b = next(it)
+        out.append(replace(t, p_adj=a, p_tost_adj=b))
+    return out
 
 
 def seed_scores(cells: List[dict], objective: str, mismatch: str, key: str = "acc_end"):

@@ -18,9 +18,10 @@ import argparse
 import csv
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from .provenance import grid_runs, mixed, wall_text
+from .stats import VERDICTS
 
 if TYPE_CHECKING:
     from .grid import GridConfig
@@ -147,6 +148,8 @@ def call_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str
     ]
     ties = 0
     for g in grids:
+        if g.v4:  # in the study-wide family instead
+            continue
         for mm, what, _, _, t in headline_tests(g, cells[g.name]):
             if t is None:
                 continue
@@ -158,6 +161,80 @@ def call_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str
                 f"{t.p_adj:.2g} | **{t.call()}** |"
             )
     return lines + ["", f"All other {ties} paired tests of these grids: **tie**."]
+
+
+def family_rows(
+    grids: List[GridConfig], cells: Dict[str, List[dict]]
+) -> Tuple[List[str], List[str]]:
+    """(table, sentences) of the study's ONE confirmatory family: every grid's ``preregistered``
+    comparisons adjusted together (superiority and TOST, :func:`~.report.adjust_family`), then
+    the exploratory comparisons (not declared: outside the family, unadjusted)."""
+    from .lr_sweep import chosen_rates
+    from .report import V4_HEADER, _base_lr, _chosen_label, adjust_family, v4_row, v4_tests
+
+    declared, exploratory, chosen = [], [], {}
+    for g in grids:
+        d, e = v4_tests(g, cells[g.name], _base_lr(g))
+        declared += d
+        exploratory += e
+        chosen[g.name] = (g, chosen_rates(g, cells[g.name], _base_lr(g)))
+    declared = adjust_family(declared)
+
+    def labels(r):
+        g, ch = chosen[r[0]]
+        return _chosen_label(g, ch, r[2], r[1]), _chosen_label(g, ch, r[3], r[1])
+
+    head = ["| grid " + V4_HEADER[0], "|---" + V4_HEADER[1]]
+    n = sum(r[-1] is not None for r in declared)
+    margins = sorted({g.equivalence_margin for g in grids if g.v4})
+    lines = [
+        f"One family: the {len(declared)} comparisons declared in the grid files "
+        f"(`preregistered:`), {n} testable, {2 * n} hypotheses (superiority Δ = 0 and TOST "
+        f"equivalence |Δ| ≥ {'/'.join(f'{m:g}' for m in margins)}; at most one of each pair "
+        "is true, so Holm's multiplier is at most the number of comparisons).",
+        "",
+        *head,
+        *[f"| {r[0]} " + v4_row(r, True, labels(r)) for r in declared],
+    ]
+    if exploratory:
+        lines += [
+            "",
+            f"Exploratory: {len(exploratory)} comparisons not declared (outside the family, "
+            "p unadjusted, calls not claims).",
+            "",
+            *head,
+            *[f"| {r[0]} " + v4_row(r, False, labels(r)) for r in exploratory],
+        ]
+    counts = {
+        v: sum(1 for r in declared if r[-1] is not None and r[-1].verdict() == v) for v in VERDICTS
+    }
+    text = [
+        "- Declared calls over the study: "
+        + ", ".join(f"{counts[v]} {v}" for v in VERDICTS)
+        + (f", {len(declared) - n} untestable" if len(declared) > n else "")
+        + "."
+    ]
+    return lines, text
+
+
+def declaration_changes(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
+    """One sentence per grid whose file (where its family is declared) differs from the file its
+    cells ran under (their ``grid_hash``): the declaration may have changed after the runs."""
+    from .provenance import tree_hash
+
+    out = []
+    for g in grids:
+        if not g.preregistered or not g.path:
+            continue
+        now = tree_hash(g.path)
+        ran = sorted({str(c.get("grid_hash", "unrecorded")) for c in cells[g.name]} - {now})
+        if ran:
+            out.append(
+                f"**{g.name}: the grid file (hash `{now}`) is not the one its cells ran under "
+                f"({', '.join(f'`{h}`' for h in ran)}): its declared family may have changed "
+                "after the runs.**"
+            )
+    return out
 
 
 def power_rows(
@@ -175,12 +252,18 @@ def power_rows(
         "|---" * 8 + "|",
     ]
     for g in grids:
-        tests = [t for *_, t in headline_tests(g, cells[g.name]) if t is not None]
+        if g.v4:  # its declared comparisons (on its test seeds under lr_select)
+            from .report import _base_lr, v4_tests
+
+            rows = v4_tests(g, cells[g.name], _base_lr(g))[0]
+            tests = [r[-1] for r in rows if r[-1] is not None]
+        else:
+            tests = [t for *_, t in headline_tests(g, cells[g.name]) if t is not None]
         if not tests:
             continue
         sds = sorted(t.sd for t in tests)
         sd = sds[len(sds) // 2]
-        n, m = len(g.seeds), len(tests)
+        n, m = len(g.lr_select.test_seeds if g.lr_select else g.seeds), len(tests)
         lines.append(
             f"| {g.name} | {n} | {m} | {sd:.3f} | {power_paired(delta, sd, n):.2f} | "
             f"{power_paired(delta, sd, n, 0.05 / m):.2f} | {seeds_for_power(delta, sd)} | "
@@ -222,6 +305,19 @@ def lr_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     return lines
 
 
+def _lr_select_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
+    """The v4 grids' chosen rates (their reports' tables, one per grid)."""
+    from .lr_sweep import lr_select_section
+    from .report import _base_lr
+
+    out = []
+    for g in grids:
+        sec = lr_select_section(g, cells[g.name], _base_lr(g))
+        if sec:
+            out += [f"**{g.name}**", "", *sec[2:], ""]
+    return out
+
+
 def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
     from .grid import load_grid
 
@@ -239,8 +335,14 @@ def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
         "",
         "Built by `python -m megatron_p3o.stress.study "
         + " ".join(grid_paths)
-        + f" --out {out}` from each grid's committed `cells.csv`; every test is its grid's own "
-        "(seed-paired, Holm-adjusted over that grid's report).",
+        + f" --out {out}` from each grid's committed `cells.csv`; "
+        + (
+            "the declared comparisons of every grid form one Holm family; the other tests are "
+            "their grid's own (seed-paired, Holm-adjusted over that grid's report)."
+            if any(g.v4 for g in grids)
+            else "every test is its grid's own (seed-paired, Holm-adjusted over that grid's "
+            "report)."
+        ),
         "",
         "## Design and cost",
         "",
@@ -282,9 +384,24 @@ def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
         *power_rows(grids, cells),
         "",
     ]
-    md += ["## Corrected calls: P3O against the pre-registered comparators", ""]
-    md += call_rows(grids, cells) + [""]
-    lr = lr_rows(grids, cells)
+    v4 = [g for g in grids if g.v4]
+    if v4:
+        table, text = family_rows(v4, cells)
+        md += [
+            "## The declared comparisons: one family over the study",
+            "",
+            *declaration_changes(v4, cells),
+            "",
+            *text,
+            "",
+            *table,
+            "",
+        ]
+    if len(v4) < len(grids):
+        md += ["## Corrected calls: P3O against the pre-registered comparators", ""]
+        md += call_rows([g for g in grids if not g.v4], cells) + [""]
+    lr = lr_rows([g for g in grids if not g.v4], cells)
+    lr += _lr_select_rows(v4, cells)
     if lr:
         md += ["## Learning-rate sensitivity", "", *lr]
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -235,3 +235,63 @@ def test_smoke_grid_runs_with_out_and_set(base, tmp_path):
     again = _stress(smoke, "--out", out, "--report-only", *flags[:-2])
     assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-2000:]
     assert "was run with --set" in again.stderr and "Traceback" not in again.stderr
+
+
+@pytest.mark.e2e
+def test_a_cell_of_the_store_is_reused_and_equals_a_fresh_run(base, tmp_path):
+    """The cells' store for real: grid A trains a cell and files it; grid B (another name, label
+    and work directory, same store) reuses it without training; grid C (no store) trains the same
+    cell again, and its record equals B's reused one in every column but the wall time and the
+    labels — the resolved config, not the grid, decides the numbers."""
+
+    def grid(name, label, store=True):
+        g = {
+            "name": name,
+            "base": str(ROOT / "recipes/tiny_cpu.yaml"),
+            "out": str(tmp_path / name / "out"),
+            "work": str(tmp_path / name / "work"),
+            "eval_limit": 20,
+            "seeds": [1],
+            "set": {
+                "steps": 2,
+                "batch.prompts_per_rollout": 8,
+                "data.eval_every": 0,
+                "checkpoint.every": 0,
+                "model.checkpoint": str(base / "ckpt"),
+                "data.path": str(base / "train.jsonl"),
+                "data.eval_path": str(base / "heldout.jsonl"),
+            },
+            "objectives": {label: {"objective": "p3o"}},
+            "mismatch": {"bf16": {"family": "baseline", "level": 0, "set": {}}},
+        }
+        if store:  # across commits: other edits of the tree between the runs keep the key
+            g.update(store=str(tmp_path / "store"), store_across_commits=True)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(g))
+        return path
+
+    runs = {}
+    for name, label, store in (("a", "p3o", True), ("b", "p3o_b", True), ("c", "p3o_b", False)):
+        r = _stress(grid(name, label, store))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        runs[name] = r.stdout
+        cell = f"{label}__bf16__s1"
+        runs[name + "_rec"] = json.loads(
+            (tmp_path / name / "work" / cell / "cell.json").read_text()
+        )
+    assert "p3o__bf16__s1: ok" in runs["a"] and "p3o_b__bf16__s1: ok" not in runs["b"]
+    assert "p3o_b__bf16__s1: ok" in runs["c"]  # trained again without the store
+    a, b, c = runs["a_rec"], runs["b_rec"], runs["c_rec"]
+    assert b["reused_from"].startswith(str(tmp_path / "a" / "work" / "p3o__bf16__s1"))
+    assert "reused_from" not in a and "reused_from" not in c
+    assert len(list((tmp_path / "store").iterdir())) == 1
+    labels = ("cell", "objective", "wall_s", "grid_hash", "reused_from", "reused_grid_hash")
+    assert {k: v for k, v in b.items() if k not in labels} == {
+        k: v for k, v in a.items() if k not in labels
+    }
+    assert {k: v for k, v in b.items() if k not in labels} == {
+        k: v for k, v in c.items() if k not in labels
+    }
+    assert b["final_per_prompt"] and b["steps"] == 2
+    rows = list(csv.DictReader(open(tmp_path / "b" / "out" / "cells.csv")))
+    assert rows[0]["reused_from"] and (tmp_path / "b" / "out" / "steps.csv").stat().st_size
