@@ -22,7 +22,7 @@ import yaml
 from .advantage import AdvantageConfig
 from .batching import BatchConfig
 from .checkpoint import CheckpointConfig
-from .errors import InputFileError, UserError, read_user_text
+from .errors import InputFileError, UserError, one_line, read_user_text
 from .evaluation import EvalConfig
 from .model.builder import ModelConfig
 from .optim import OptimConfig
@@ -554,6 +554,22 @@ def _coerce(path: str, value: Any, tp) -> Any:
     raise ConfigError(f"{path}: unsupported field type {_type_name(tp)}")
 
 
+def load_yaml_mapping(p: Path, what: str) -> dict:
+    """A user's YAML file (a recipe, a stress grid) whose top level is a mapping; a missing,
+    non-UTF-8 or malformed file is one :class:`ConfigError` naming it."""
+    try:
+        text = read_user_text(p, what)
+    except InputFileError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p}: invalid YAML: {one_line(e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {p}: the top level must be a mapping")
+    return data
+
+
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -612,17 +628,7 @@ def load_config(path: Optional[str | Path], overrides: Sequence[str] = ()) -> Tr
     """Read a YAML recipe (or only defaults when ``path`` is None) and apply ``--set`` items."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        try:
-            text = read_user_text(p, "recipe")
-        except InputFileError as e:
-            raise ConfigError(str(e)) from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"recipe {p}: invalid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"recipe {p}: the top level must be a mapping")
+        data = load_yaml_mapping(Path(path), "recipe")
     cfg = _build(TrainConfig, apply_overrides(data, overrides))
     check_ranges(cfg)  # before data.task writes its splits, and before anything is built
     return resolve_task(cfg)

@@ -370,14 +370,7 @@ class PolicyUpdate:
         sequences; the last pipeline stage holds ℓold). One host read."""
         if not self.groups.is_last_stage():
             return None, None
-        parts = []
-        for mb in microbatches:
-            r = mb["response"]
-            inp = LossInputs(
-                r["mask"].new_zeros(()), r["behavior_logprobs"], None, r["mask"].float(),
-                old_logprobs=r["old_logprobs"],
-            )  # fmt: skip
-            parts.append(m2_values(inp))
+        parts = [m2_values(_m2_inputs(mb["response"])) for mb in microbatches]
         dev = self.groups.device
         local = (
             torch.cat(parts).to(dev) if parts else torch.zeros(0, dtype=torch.float64, device=dev)
@@ -405,11 +398,7 @@ class PolicyUpdate:
             return
         for mb in microbatches:
             r = mb["response"]
-            inp = LossInputs(
-                r["mask"].new_zeros(()), r["behavior_logprobs"], None, r["mask"].float(),
-                old_logprobs=r["old_logprobs"],
-            )  # fmt: skip
-            r["m2po_keep"] = m2po_microbatch_keep(inp, self.objective.hyper.tau)
+            r["m2po_keep"] = m2po_microbatch_keep(_m2_inputs(r), self.objective.hyper.tau)
 
     # -- ℓold / ℓprox: the policy at the start of the rollout batch ---------------------------
     def recompute_old_logprobs(self, chunks, microbatches: List[MicroBatch]) -> None:
@@ -587,3 +576,11 @@ def _concat(mbs: List[MicroBatch]) -> MicroBatch:
         offset += mb["tokens"].numel()
     out["response"] = {key: torch.cat(v) for key, v in resp.items()}
     return out
+
+
+def _m2_inputs(r: dict) -> LossInputs:
+    """M2PO's view of a micro-batch's response (host ℓb, ℓold, mask; no ℓθ): Δ = ℓold − ℓb."""
+    return LossInputs(
+        r["mask"].new_zeros(()), r["behavior_logprobs"], None, r["mask"].float(),
+        old_logprobs=r["old_logprobs"],
+    )  # fmt: skip

@@ -51,8 +51,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from ..config import ConfigError, TrainConfig, _build, load_config
-from ..errors import InputFileError, one_line, read_user_text
+from ..config import ConfigError, TrainConfig, _build, load_config, load_yaml_mapping
 
 
 @dataclass(frozen=True)
@@ -183,16 +182,7 @@ def _mapping(p: Path, key: str, v: Any) -> dict:
 
 def load_grid(path: str | Path) -> GridConfig:
     p = Path(path)
-    try:  # missing, a directory, not UTF-8: one line naming the file
-        text = read_user_text(p, "grid")
-    except InputFileError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"grid {p}: invalid YAML: {one_line(e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"grid {p}: the top level must be a mapping")
+    data = load_yaml_mapping(p, "grid")  # missing, a directory, not UTF-8: one line naming it
     for key in ("objectives", "mismatch"):
         if not isinstance(data.get(key), dict) or not data[key]:
             raise ConfigError(f"grid {p}: '{key}' must be a non-empty mapping of label -> settings")

@@ -171,6 +171,7 @@ _BAD = {  # a value outside each rule of config.RANGES
     ">= 2": "1",
     "in (0, 1]": "0",
     "in [0, 1)": "1",
+    "in [0, 1]": "1.5",
     "a port in [1, 65535]": "70000",
     "in [0, 65535] (0: a free port)": "-1",
 }
