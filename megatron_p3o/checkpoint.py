@@ -335,9 +335,14 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def finished_checkpoint(run_dir: str | Path, steps: int, evaluated: bool) -> Path | None:
-    """The checkpoint of a finished run: ``latest`` is at ``steps`` or beyond and, when the run
-    evaluates (``evaluated``), ``eval.jsonl`` holds its held-out accuracy at that step (a run
-    stopped between its last save and its final evaluation is not finished). Else None."""
+    """The checkpoint of a finished run: ``latest`` is at ``steps`` or beyond, verifies against
+    its manifest (a damaged one is not "finished": the resume falls back and trains again) and,
+    when the run evaluates (``evaluated``), ``eval.jsonl`` holds its held-out accuracy at that
+    step (a run stopped between its last save and its final evaluation is not finished). Else
+    None. Every rank reads the whole checkpoint (no collective: no process group exists yet,
+    and the ranks must agree)."""
+    from .manifest import check
+
     pointer = Path(run_dir) / "checkpoints" / LATEST
     if not pointer.is_file():
         return None
@@ -345,6 +350,8 @@ def finished_checkpoint(run_dir: str | Path, steps: int, evaluated: bool) -> Pat
     if not _STEP_DIR.fullmatch(name) or int(name[len("step_") :]) < steps:
         return None
     step = int(name[len("step_") :])
+    if not (pointer.parent / name).is_dir() or check(pointer.parent / name) is not None:
+        return None
     if evaluated:
         log = Path(run_dir) / "eval.jsonl"
         rows = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []

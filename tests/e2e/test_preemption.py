@@ -23,7 +23,7 @@ from .test_resume import _tensors
 from .test_tiny_recipe import _sets
 
 RECIPE = str(ROOT / "recipes/tiny_cpu.yaml")
-STEP_LINE = re.compile(r"^\s*step\s+\d+\s", re.M)  # the console's line for each trained step
+STEP_LINE = re.compile(r"^\s*step\s+\d+[/\s]", re.M)  # the console's line for each trained step
 
 
 def _cmd(base, run_dir, name, steps, nproc, *extra):
