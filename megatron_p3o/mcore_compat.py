@@ -27,6 +27,28 @@ def have_transformer_engine() -> bool:
     return True
 
 
+def have_grad_accum_fusion() -> bool:
+    """apex's ``fused_weight_gradient_mlp_cuda``: Megatron's own linears (the output layer) need
+    it for ``gradient_accumulation_fusion`` (``tensor_parallel/layers.py`` refuses without)."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def have_moe_permute_fusion() -> bool:
+    """The fused permute kernels ``moe_permute_fusion`` needs (TE >= 2.1): megatron-core 0.16.1's
+    ``TransformerConfig`` refuses the flag when ``moe_utils.fused_permute`` & co. are None."""
+    try:
+        from megatron.core.transformer.moe import moe_utils as mu
+    except ImportError:
+        return False
+    names = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+             "fused_sort_chunks_by_index_with_probs", "fused_unpermute")  # fmt: skip
+    return all(getattr(mu, n, None) is not None for n in names)
+
+
 def layer_spec(*, use_te: bool, qk_norm: bool, num_experts=None):
     """The GPT decoder layer spec: Transformer Engine's or the local (pure PyTorch) one; with
     ``num_experts`` an MoE layer (sequential local experts: no grouped GEMM).

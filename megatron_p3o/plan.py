@@ -21,7 +21,10 @@ Rollout-engine memory: a colocated SGLang server (``weight_sync: colocated``, la
 ``--enable-memory-saver``) frees its weights and KV cache while the trainer updates, but while it
 generates it holds ``mem_fraction_static`` of the GPU next to the trainer's resident state
 (parameters, gradients, optimizer, reference; activations and logits are gone by then): that sum
-must fit too, or the dry run refuses the recipe.
+must fit too, or the dry run refuses the recipe. During the push itself the server holds its
+weights again (the served model ÷ its TP size) and each receiving trainer rank the push buffers
+(:func:`megatron_p3o.weight_sync.colocated.push_buffer_bytes`: two 256 MiB buckets, each up to
+one step's tensors over, and the tensor its stage gathered): that sum must fit as well.
 """
 
 from __future__ import annotations
@@ -227,7 +230,22 @@ def colocated_rollout_gib(cfg: TrainConfig, plan: Plan, gpu_gib: float) -> Dict[
     if r.engine != "sglang" or r.weight_sync != "colocated":
         return {}
     resident = sum(v for k, v in plan.gib.items() if k not in _TRANSIENT)
-    return {"trainer": resident, "server": r.sglang.mem_fraction_static * gpu_gib}
+    from .rollout.central import COLOCATED_BUCKET_BYTES
+    from .weight_sync.colocated import push_buffer_bytes
+
+    desc, _ = describe_model(cfg)
+    pb = _BYTES[cfg.model.params_dtype]
+    p = cfg.parallel
+    largest = max(desc.vocab_size, desc.intermediate_size) * desc.hidden_size * pb
+    expert = (desc.moe_intermediate_size or 0) * desc.hidden_size * pb
+    step = max(largest, expert * max(p.ep, 1)) * p.pp  # the tensors one step broadcasts
+    served = 1 if r.sglang.quantization == "fp8" else _BYTES.get(r.sglang.dtype, 2)
+    return {
+        "trainer": resident,
+        "server": r.sglang.mem_fraction_static * gpu_gib,
+        "server_weights": plan.params_total * served / r.sglang.tp_size / 2**30,
+        "push": push_buffer_bytes(COLOCATED_BUCKET_BYTES, largest, step) / 2**30,
+    }
 
 
 def _with(cfg: TrainConfig, section: str, **changes) -> TrainConfig:
@@ -400,6 +418,18 @@ def dry_run(
                 f"(parameters, gradients, optimizer) = {total:.1f} GiB > 90% of {gpu_gib:.0f} "
                 f"GiB; use mem_fraction_static <= {int(room * 100) / 100:.2f} or shrink the "
                 "trainer's state (--dry-run prints the breakdown)"
+            )
+        push = co["trainer"] + co["server_weights"] + co["push"]
+        lines.append(
+            f"during a colocated push: trainer {co['trainer']:.2f} GiB resident + server weights "
+            f"{co['server_weights']:.2f} GiB + push buffers {co['push']:.2f} GiB = {push:.2f} GiB"
+        )
+        if push > limit:
+            raise ConfigError(
+                f"a colocated push needs {push:.1f} GiB per GPU (trainer {co['trainer']:.1f} + "
+                f"server weights {co['server_weights']:.1f} + push buffers {co['push']:.1f}) > "
+                f"90% of {gpu_gib:.0f} GiB; shrink the trainer's state or raise "
+                "rollout.sglang.tp_size (--dry-run prints the breakdown)"
             )
     d = cfg.data
     if d.task:  # resolve_task wrote (or found) the splits when the recipe was loaded

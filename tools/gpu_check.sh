@@ -5,7 +5,7 @@
 # CPU against SGLang's pinned source (tests/unit/test_sglang_protocol.py).
 #
 #   here:   bash tools/gpu_wheels.sh        # .whl/: megatron-core 0.16.1 cp312, datasets (+2 deps)
-#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 580 s); 7 files in
+#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 590 s); 8 files in
 #                                           # OUTDIR, to commit under docs/gpu/
 #
 # 1. the tiny base model, then the converter's checkpoint against transformers, logits on the GPU
@@ -16,8 +16,11 @@
 # 4. a ~1B Llama-style model, forward + backward, bf16: tokens/s and MFU vs 790 TFLOP/s (mfu.json)
 # 5. round 3 without TE/SGLang: the block-FP8 push quantizer on the device (bitwise = CPU), the
 #    FP8 packing rule per recipe, host syncs in one micro-batch under CUDA (round3.json)
+# 6. round 4 (issue 42): a real CUDA-IPC round trip of a weight bucket between two processes on
+#    the one GPU in the colocated payload format, decoded as SGLang does; NCCL with 2 processes
+#    on the one GPU where NCCL allows it (round4.json)
 # Files: env.txt, summary.txt (each step's exit status and RESULT line), log.txt (everything),
-# metrics.jsonl, logprob.json, mfu.json, round3.json.
+# metrics.jsonl, logprob.json, mfu.json, round3.json, round4.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tools/gpu_check.sh OUTDIR}
@@ -55,7 +58,7 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
 } > "$OUT/env.txt" 2>&1
 step base 100 $PY tools/make_tiny_base.py --out "$W/base"
 step verify 60 $PY -m checkpoints_convert.verify --hf "$W/base/hf" --ckpt "$W/base/ckpt"
-step train 150 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
+step train 130 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
   --set "model.checkpoint=$W/base/ckpt" --set "data.path=$W/base/train.jsonl" \
   --set "data.eval_path=$W/base/heldout.jsonl" --set data.eval_every=0 --set steps=5 \
   --set model.params_dtype=bfloat16 --set "rollout.device=$DEV" \
@@ -63,7 +66,8 @@ step train 150 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
 cp "$W/runs/gpu/metrics.jsonl" "$OUT/metrics.jsonl" 2> /dev/null
 step logprob 60 $PY benchmarks/bench_gpu.py logprob --device "$DEV" --out "$OUT" $BENCH_ARGS
 step mfu 90 $PY benchmarks/bench_gpu.py mfu --device "$DEV" --out "$OUT" $BENCH_ARGS
-step round3 120 $PY tools/gpu_round3.py --device "$DEV" --out "$OUT"
+step round3 100 $PY tools/gpu_round3.py --device "$DEV" --out "$OUT"
+step round4 50 $PY tools/gpu_round4.py --device "$DEV" --out "$OUT"
 echo "gpu_check: $( ((status == 0)) && echo all steps passed || echo some steps FAILED)" \
   | tee -a "$OUT/summary.txt"
 exit $status

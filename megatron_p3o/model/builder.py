@@ -145,14 +145,18 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
         bf16=opts.params_dtype == torch.bfloat16,
         fp16=opts.params_dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False,
+        # TE spec: Megatron's fused bias-SwiGLU (no extension needed); the masked-softmax fusion
+        # is read by the local attention only (TE's attention has its own kernels)
+        bias_activation_fusion=use_te,
         bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
+        masked_softmax_fusion=use_te,
         persist_layer_norm=False,
         # TE's fused RoPE (THD included); Megatron's unfused THD path loops over sequences on
         # the host (≈ 4 device→host syncs per layer per forward). The local spec has no kernel.
         apply_rope_fusion=use_te,
-        gradient_accumulation_fusion=False,
+        # TE linears accumulate weight gradients into main_grad; Megatron's own output layer
+        # needs apex's fused_weight_gradient_mlp_cuda for it (else it refuses to build)
+        gradient_accumulation_fusion=use_te and mcore_compat.have_grad_accum_fusion(),
         # We normalize by the global token count ourselves (see loss/); Megatron must only sum.
         calculate_per_token_loss=True,
         # gloo pairs a send and a recv to the same peer wrongly inside one batched p2p op: with
@@ -162,6 +166,8 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
     )
     if desc.is_moe:
         kw.update(_moe_config(desc, lay, opts))
+        # TE >= 2.1's fused token permutation (megatron-core 0.16.1 checks the same kernels)
+        kw.update(moe_permute_fusion=use_te and mcore_compat.have_moe_permute_fusion())
     if opts.recompute:
         kw.update(recompute_granularity=opts.recompute)
         if opts.recompute == "full":

@@ -249,6 +249,7 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
             )
         if cfg.weight_sync == "distributed":
             _check_nccl(sg)
+        check_transport(cfg, sg, groups.device.type == "cuda")
         if cfg.weight_sync == "colocated":  # else /release_memory_occupation frees nothing
             sg = replace(sg, memory_saver=True)
         inner = build_fleet(sg, cfg.sglang_workers, sg.log_dir or log_dir, cfg.weight_sync)
@@ -270,6 +271,46 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
     )
 
 
+def _is_local(url: str) -> bool:
+    """The URL's host is this machine (loopback, or one of this host's names/addresses)."""
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    if host in ("localhost", "0.0.0.0", "::1") or host.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        addrs = set()
+    return host in names or host in addrs
+
+
+def check_transport(cfg: RolloutConfig, sg, cuda: bool) -> None:
+    """One line each, before any server starts: a colocated push serves one server (its payload
+    ranks are trainer ranks 0…T−1, the GPUs of that one server); CUDA-IPC tensor payloads (a
+    trainer on CUDA) reach only servers on this node."""
+    from .sglang.launch import SGLangSetupError
+
+    servers = len(cfg.sglang_workers) if sg.url is not None else sg.servers
+    if cfg.weight_sync == "colocated" and max(servers, 1) > 1:
+        raise SGLangSetupError(
+            f"rollout.weight_sync=colocated with {servers} servers: a colocated push serves one "
+            "server, on the GPUs of trainer ranks 0..tp_size-1; use rollout.sglang.servers=1 (or "
+            "weight_sync=distributed for a fleet)"
+        )
+    if cfg.weight_sync == "tensor" and cuda:
+        urls = list(cfg.sglang_workers) or ([sg.url] if sg.url is not None else [])
+        remote = [u for u in urls if not _is_local(u)]
+        if remote:
+            raise SGLangSetupError(
+                f"rollout.weight_sync=tensor from a CUDA trainer sends CUDA-IPC handles, which "
+                f"only a server on this node can open; {remote[0]} is on another node: use "
+                "weight_sync=distributed or disk"
+            )
+
+
 def _check_nccl(sg) -> None:
     """Before any server starts: an NCCL weight group needs one NCCL version on both sides."""
     import os
@@ -286,5 +327,8 @@ def _check_nccl(sg) -> None:
     if resolve_backend(sg) != "nccl" or not python:
         return
     trainer = trainer_nccl_version()
-    if trainer is not None:
-        check_nccl_versions(trainer, server_nccl_version(python), python)
+    if trainer is not None:  # probed in the servers' own environment (an LD_PRELOAD for them)
+        from .sglang.launch import server_env
+
+        env = server_env(gpus=sg.gpus, ld_preload=sg.ld_preload)
+        check_nccl_versions(trainer, server_nccl_version(python, env), python)

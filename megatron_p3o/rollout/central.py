@@ -30,6 +30,8 @@ from ..parallel import ParallelGroups
 from ..types import Sample, SamplingParams
 from .engine import Bucket, RolloutEngine
 
+COLOCATED_BUCKET_BYTES = 256 * 2**20  # per colocated push bucket (plan.py counts two of them)
+
 
 class CentralEngine(RolloutEngine):
     """``inner`` exists on global rank 0 only (None elsewhere)."""
@@ -115,42 +117,54 @@ class CentralEngine(RolloutEngine):
         dist.barrier(group=self.objects)
 
     def update_weights_colocated(
-        self, weights, version: int, server_tp: int, fp8: bool = False
+        self,
+        weights,
+        version: int,
+        server_tp: int,
+        fp8: bool = False,
+        bucket_bytes: int = COLOCATED_BUCKET_BYTES,
     ) -> None:
-        """Colocated CUDA-IPC push (collective). Every rank holds the full tensors on its own
-        GPU; ranks 0…T−1, which share the GPUs of server ranks 0…T−1, serialize their copy of
-        each bucket; rank 0 sends payload r to server rank r inside one weight-update session,
-        with the server's weights resumed before and its KV cache after. ``fp8``: block-FP8
-        weights plus scales (:func:`~megatron_p3o.weight_sync.fp8.quantize_named`)."""
-        from ..weight_sync import iter_hf_buckets
+        """Colocated CUDA-IPC push (collective). Each bucket is built with tensor collectives on
+        trainer ranks 0…T−1, which share the GPUs of server ranks 0…T−1
+        (:func:`~megatron_p3o.weight_sync.colocated.iter_colocated_buckets`: no rank ever holds
+        the whole model); each serializes its copy, and rank 0 sends payload r to server rank r
+        inside one weight-update session, with the server's weights resumed before and every
+        other region it released (KV cache, CUDA graphs) after. ``fp8``: block-FP8 weights plus
+        scales (:func:`~megatron_p3o.weight_sync.fp8.quantize_named`)."""
+        from ..weight_sync.colocated import iter_colocated_buckets
         from ..weight_sync.ipc import payload_ranks, serialize_named_tensors
-        from .sglang.protocol import with_last
+        from .sglang.protocol import RESUME_AFTER_PUSH, RESUME_BEFORE_PUSH, with_last
 
         g = self.groups
         ranks = payload_ranks(server_tp, g.world_size)
-        tensors = weights.full()
+        transform = None
         if fp8:
             from ..weight_sync.fp8 import quantize_named
 
-            tensors = list(quantize_named(tensors))
+            def transform(named):
+                return list(quantize_named(named))
+
         released = self._released
+        buckets = iter_colocated_buckets(weights, self.objects, ranks, bucket_bytes, transform)
         with ExitStack() as stack:
             if self.inner is not None:
                 if released:
-                    self.inner.resume_memory(["weights"])
+                    self.inner.resume_memory(list(RESUME_BEFORE_PUSH))
                 stack.enter_context(self.inner.sessions())
-            for bucket, last in with_last(iter_hf_buckets(iter(tensors), 256 * 2**20)):
-                named = [(n, t.contiguous()) for n, t in bucket]
-                blob = serialize_named_tensors(named) if g.rank in ranks else None
-                blobs: List[Optional[str]] = [None] * g.world_size
+            for bucket, last in with_last(buckets):
+                blob = serialize_named_tensors(bucket) if bucket is not None else None
+                blobs: Optional[List[Optional[str]]] = (
+                    [None] * g.world_size if g.rank == 0 else None
+                )
                 # objects group: every server TP rank's payload to rank 0, which posts them.
-                dist.all_gather_object(blobs, blob, group=self.objects)
+                dist.gather_object(blob, blobs, dst=0, group=self.objects)
                 if self.inner is not None:
                     self.inner.push_ipc([blobs[r] for r in ranks], version, last)
                 # objects group: the handles' tensors stay alive until the server loaded them.
                 dist.barrier(group=self.objects)
+                del bucket, blob
         if released:
-            self.inner.resume_memory(["kv_cache"])
+            self.inner.resume_memory(list(RESUME_AFTER_PUSH))
             self._released = False
         self.weight_version = version
 

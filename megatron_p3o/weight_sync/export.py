@@ -40,6 +40,8 @@ def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> to
     dist.all_gather(
         parts, local.detach().contiguous(), group=groups.expt_tp if expert else groups.tp
     )
+    if local.is_cuda:  # the host waits for the gather: a rank cannot queue the next ones
+        torch.cuda.current_stream().synchronize()  # ahead of its peers (nor their buffers)
     if tm.kind == "fc1":  # each shard is [gate_r; up_r]
         halves = [p.chunk(2, 0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)

@@ -52,8 +52,11 @@ class TrainerWeights:
             tensors += [t for p in parts for t in p]
         return tensors
 
-    def to_rank0(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Every HF tensor, streamed stage by stage to global rank 0 (all ranks iterate)."""
-        from .stream import iter_hf_tensors_to_rank0
+    def to_rank0(self, bucket_bytes: Optional[int] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every HF tensor, streamed stage by stage to global rank 0 (all ranks iterate); later
+        stages send ``bucket_bytes`` at a time, when rank 0 asks for them."""
+        from .stream import STREAM_BUCKET_BYTES, iter_hf_tensors_to_rank0
 
-        return iter_hf_tensors_to_rank0(self.chunks, self.groups, self.desc)
+        return iter_hf_tensors_to_rank0(
+            self.chunks, self.groups, self.desc, bucket_bytes or STREAM_BUCKET_BYTES
+        )

@@ -4,10 +4,15 @@ model anywhere else (the push to a single SGLang server/router).
 Why: the embedded engines need the weights on every rank (each rank has its own engine), but a
 central server needs them once, on the one rank that talks to it. Each pipeline stage of the
 first DP replica (DP = CP = 0) iterates its own layers (TP shards gathered inside the stage by
-``iter_hf_tensors``); stage 0 yields straight to rank 0, later stages send tensor by tensor over
-the pipeline group. Other DP/CP replicas hold the same weights and take no part — except under
-expert parallelism, where the first replica holds only its share of the experts: the other
-expert-parallel ranks of its EP groups send theirs to it (TP rank 0 to TP rank 0), and it
+``iter_hf_tensors``); stage 0 yields straight to rank 0; later stages send bucket by bucket over
+the pipeline group, each bucket only when rank 0 asks for it (a handshake: rank 0 asks for a
+stage's next bucket when it takes the current one), so that at most one bucket per stage is in
+flight. Without it later stages ran through their whole stage while rank 0 was still pushing
+stage 0: on NCCL their sends do not block, and their TP peers queued every TP all-gather of the
+stage meanwhile (the gathers now also wait for each other on the host,
+:func:`.export._gather_tp`). Other DP/CP replicas hold the same weights and take no part —
+except under expert parallelism, where the first replica holds only its share of the experts:
+the other expert-parallel ranks of its EP groups send theirs to it (TP rank 0 to TP rank 0), and it
 forwards them like its own.
 """
 
@@ -22,9 +27,15 @@ from ..model.description import ModelDescription
 from ..parallel import ParallelGroups
 from .export import is_expert, iter_hf_tensors
 
+STREAM_BUCKET_BYTES = 256 * 2**20  # a later stage's bytes per request of rank 0
+_NEXT, _END = "next", None
+
 
 def iter_hf_tensors_to_rank0(
-    chunks: Sequence[torch.nn.Module], groups: ParallelGroups, desc: ModelDescription
+    chunks: Sequence[torch.nn.Module],
+    groups: ParallelGroups,
+    desc: ModelDescription,
+    bucket_bytes: int = STREAM_BUCKET_BYTES,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """On global rank 0: every (HF name, full tensor) of the model. Elsewhere: nothing (but every
     rank of the first DP/CP replica must iterate it: the TP gathers and sends are collectives)."""
@@ -46,18 +57,61 @@ def iter_hf_tensors_to_rank0(
         for name, t in _with_ep_peers(iter_hf_tensors(chunks, g, desc), g):
             if g.rank == 0:
                 yield name, t
-    else:
-        dst = dist.get_global_rank(g.pp, 0)
-        for name, t in _with_ep_peers(iter_hf_tensors(chunks, g, desc), g):
-            if sender:
-                # PP group: stage k's tensor (its name and shape first) to the first stage of this
-                # pipeline — global rank 0 — which pushes it to the server.
-                _send(name, t, dst, g.pp)
-        if sender:
-            dist.send_object_list([None], dst=dst, group=g.pp)  # end of this stage
+    elif sender:
+        _serve_stage(_with_ep_peers(iter_hf_tensors(chunks, g, desc), g), g, bucket_bytes)
+    else:  # a TP peer of a later stage: its gathers pace themselves on the sender's
+        for _ in iter_hf_tensors(chunks, g, desc):
+            pass
     if g.rank == 0:
         for stage in range(1, g.layout.pp):
-            yield from _receive(dist.get_global_rank(g.pp, stage), g.pp)
+            yield from _pull_stage(dist.get_global_rank(g.pp, stage), g.pp)
+
+
+def _serve_stage(tensors, g: ParallelGroups, bucket_bytes: int) -> None:
+    """A later stage's sender: for each request of rank 0, its next bucket (gathered only now),
+    then the end marker."""
+    src = dist.get_global_rank(g.pp, 0)
+    tensors = iter(tensors)
+    while True:
+        ask = [None]
+        # PP group: rank 0 asks this stage for its next bucket (it has taken the last one).
+        dist.recv_object_list(ask, src=src, group=g.pp)
+        bucket, size = [], 0
+        for name, t in tensors:
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                break
+        # PP group: the bucket's names, shapes and dtypes (None: this stage is done) ...
+        metas = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+        dist.send_object_list([metas or _END], dst=src, group=g.pp)
+        for _, t in bucket:
+            # ... then its tensors, to global rank 0, which pushes them to the server.
+            dist.send(t.contiguous(), dst=src, group=g.pp)
+        if not bucket:
+            return
+
+
+def _pull_stage(src: int, group) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Rank 0: a later stage's tensors, bucket by bucket; the next bucket is asked for as soon as
+    one arrives (one bucket in flight while this one is pushed)."""
+    # PP group: the first request to this stage.
+    dist.send_object_list([_NEXT], dst=src, group=group)
+    while True:
+        metas = [None]
+        dist.recv_object_list(metas, src=src, group=group)
+        if metas[0] is _END:
+            return
+        dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        bucket = []
+        for name, shape, dtype in metas[0]:
+            buf = torch.empty(shape, dtype=dtype, device=dev)
+            dist.recv(buf, src=src, group=group)
+            bucket.append((name, buf))
+        # PP group: ask for the next bucket while this one is pushed.
+        dist.send_object_list([_NEXT], dst=src, group=group)
+        yield from bucket
+        del bucket
 
 
 def _send(name: str, t: torch.Tensor, dst: int, group) -> None:

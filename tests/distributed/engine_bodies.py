@@ -85,25 +85,111 @@ def engine_vs_trainer(
     return report
 
 
-def colocated_push(groups, url: str, server_tp: int):
+def colocated_push(
+    groups, url: str, server_tp: int, family: str = "llama", bucket_bytes: int = 16 * 1024
+):
     """The colocated round trip of one trainer step through the real collective code: the
-    server frees its memory before the update, then every trainer rank that shares a server
-    rank's GPU builds that rank's IPC payload of each bucket and rank 0 posts them."""
+    server frees its memory before the update, then trainer ranks 0…T−1 (which share server
+    ranks' GPUs) build each bucket with tensor collectives and serialize it, and rank 0 posts
+    the payloads. ``TrainerWeights.full`` (the whole model on every rank) must not be called.
+    Returns (version, the full model as the old path gathered it (rank 0), the largest bucket
+    any rank built, in bytes)."""
+    from unittest import mock
+
     from megatron_p3o.parallel import new_object_group
     from megatron_p3o.rollout.central import CentralEngine
     from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
+    from megatron_p3o.weight_sync import colocated
+    from megatron_p3o.weight_sync.source import TrainerWeights
 
+    desc = desc_of(family)
+    chunks = build_model(desc, groups, BuildOptions(seq_length=SEQ))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(groups.rank)  # ranks differ: each must send its own
+        for p in chunks[0].parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    weights = TrainerWeights(chunks, groups, desc)
+    reference = {n: t.clone() for n, t in weights.full()}  # the old path, for comparison only
     inner = None
     if groups.rank == 0:
         srv = SGLangEngine(SGLangConfig(url=url, tp_size=server_tp, startup_timeout_s=10))
         inner = SGLangFleet(srv, [srv]).start()
     eng = CentralEngine(inner, groups, new_object_group(), "colocated")
+    largest = [0]
+    real = colocated.iter_colocated_buckets
 
-    class Weights:  # what TrainerWeights.full() hands every rank: the full tensors
-        def full(self):
-            g = torch.Generator().manual_seed(0)
-            return [(f"w{i}", torch.randn(300_000, generator=g)) for i in range(3)]
+    def counted(*a, **k):
+        for b in real(*a, **k):
+            if b is not None:
+                largest[0] = max(largest[0], sum(t.numel() * t.element_size() for _, t in b))
+            yield b
+
+    def whole_model(self):
+        raise AssertionError("a colocated push gathered the whole model on a rank")
 
     eng.release_memory()
-    eng.update_weights_colocated(Weights(), version=4, server_tp=server_tp)
-    return eng.weight_version
+    with (
+        mock.patch.object(TrainerWeights, "full", whole_model),
+        mock.patch.object(colocated, "iter_colocated_buckets", counted),
+    ):
+        eng.update_weights_colocated(weights, 4, server_tp, bucket_bytes=bucket_bytes)
+    return eng.weight_version, reference if groups.rank == 0 else None, largest[0]
+
+
+def _async_sends(pending: list):
+    """``dist.send`` and ``dist.send_object_list`` that return before the receiver has taken the
+    data, as NCCL's point-to-point sends do (they are queued on a CUDA stream); gloo's block."""
+    import pickle
+
+    import torch.distributed as dist
+
+    def send(tensor, dst, group=None, tag=0):
+        pending.append(dist.isend(tensor, dst=dst, group=group, tag=tag))
+
+    def send_object_list(objs, dst, group=None, device=None):
+        datas = [torch.frombuffer(bytearray(pickle.dumps(o)), dtype=torch.uint8) for o in objs]
+        sizes = torch.tensor([d.numel() for d in datas], dtype=torch.long)
+        pending.append(dist.isend(sizes, dst=dst, group=group))
+        pending.append(dist.isend(torch.cat(datas), dst=dst, group=group))
+
+    return send, send_object_list
+
+
+def stream_in_flight(groups, bucket_bytes: int = 8 * 1024, delay_s: float = 0.01):
+    """A PP push to rank 0 with a slow consumer (``delay_s`` per tensor, as an HTTP push is) and
+    sends that do not block (NCCL's): every stage logs (time, +bytes) when its sender's export
+    yields a tensor; rank 0 logs (time, −bytes, stage) when it takes one. Returns this rank's
+    log and, on rank 0, the stream's names and tensors."""
+    import time
+    from unittest import mock
+
+    from megatron_p3o.weight_sync import stream
+    from megatron_p3o.weight_sync.source import TrainerWeights
+
+    desc = desc_of("llama4l")
+    chunks = build_model(desc, groups, BuildOptions(seq_length=SEQ))
+    log = []
+    real = stream.iter_hf_tensors
+
+    def logged(*a, **k):
+        for name, t in real(*a, **k):
+            if groups.tp_rank == 0:
+                log.append((time.monotonic(), t.numel() * t.element_size(), name))
+            yield name, t
+
+    pending: list = []
+    send, send_objects = _async_sends(pending)
+    got = []
+    with (
+        mock.patch.object(stream, "iter_hf_tensors", logged),
+        mock.patch.object(stream.dist, "send", send),
+        mock.patch.object(stream.dist, "send_object_list", send_objects),
+    ):
+        for name, t in TrainerWeights(chunks, groups, desc).to_rank0(bucket_bytes):
+            time.sleep(delay_s)
+            got.append((time.monotonic(), -(t.numel() * t.element_size()), name))
+        for w in pending:
+            w.wait()
+    full = {n: t.clone() for n, t in TrainerWeights(chunks, groups, desc).full()}
+    return {"rank": groups.rank, "pp": groups.pp_rank, "produced": log, "taken": got,
+            "full": full if groups.rank == 0 else None}  # fmt: skip

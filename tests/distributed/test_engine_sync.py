@@ -2,6 +2,7 @@
 log-probs equal the trainer's; bf16 / fp16 / fp8 engines differ by a measured nonzero amount."""
 
 import pytest
+import torch
 
 from megatron_p3o.parallel import Layout
 
@@ -23,31 +24,89 @@ def test_engine_logprobs_match_trainer_after_weight_sync(pools, record_property)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,server_tp", [(1, 1), (2, 2)])
-def test_colocated_push_round_trip(pools, world, server_tp):
+@pytest.mark.parametrize(
+    "world,layout,family,server_tp",
+    [
+        (1, Layout(), "llama", 1),
+        (2, Layout(pp=2), "llama", 2),
+        (2, Layout(tp=2), "llama", 1),
+        (2, Layout(ep=2), "qwen3moe", 2),
+    ],
+    ids=["w1", "pp2", "tp2-server-tp1", "ep2"],
+)
+def test_colocated_push_round_trip(pools, world, layout, family, server_tp):
     """Order on the server: release → resume weights → pause → begin → one IPC push per bucket
     (one payload per server TP rank, cache flush and version on the last) → end → continue →
-    resume the KV cache."""
+    resume every other region released. Every payload r holds, over the buckets, the whole
+    model exactly as the old all-gather made it; no rank held more than a bucket (plus one
+    step's tensors) at a time, and none called ``TrainerWeights.full`` (issue 42, item 2); the
+    regions resumed are the ones released, as the pinned release reads the bodies (item 1)."""
     import base64
+    import pickle
 
     from ..sglang_standin import SGLangStandIn
+    from ..unit.test_sglang_protocol import released_tags, wheel_memory_tags
 
+    bucket = 16 * 1024
     srv = SGLangStandIn(lambda body: ([1], [-0.1], "stop"))
     try:
-        versions = pools(world).run(
-            engine_bodies.colocated_push, Layout(), url=srv.url, server_tp=server_tp
-        )
+        out = pools(world).run(
+            engine_bodies.colocated_push, layout, url=srv.url, server_tp=server_tp,
+            family=family, bucket_bytes=bucket,
+        )  # fmt: skip
     finally:
         srv.close()
-    assert versions == [4] * world
+    assert [v for v, _, _ in out] == [4] * world
+    reference = out[0][1]
     pushes = [b for p, b in srv.routes if p == "/update_weights_from_tensor"]
     assert srv.paths() == [
         "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
         "/begin_weight_update", *["/update_weights_from_tensor"] * len(pushes),
         "/end_weight_update", "/continue_generation", "/resume_memory_occupation",
     ]  # fmt: skip
-    assert len(pushes) >= 1 and all(len(b["serialized_named_tensors"]) == server_tp for b in pushes)
+    bodies = [b for p, b in srv.routes if "memory_occupation" in p]
+    released = released_tags(bodies[0])
+    resumed = [released_tags(b) for b in bodies[1:]]
+    assert released == set(wheel_memory_tags()) == resumed[0] | resumed[1], (released, resumed)
+    assert "weights" in resumed[0] and not resumed[0] & resumed[1]
+    assert len(pushes) > 1 and all(len(b["serialized_named_tensors"]) == server_tp for b in pushes)
     assert [b["flush_cache"] for b in pushes] == [False] * (len(pushes) - 1) + [True]
     assert pushes[-1]["weight_version"] == "4" and srv.version == "4" and not srv.released
-    blobs = pushes[0]["serialized_named_tensors"]
-    assert all(base64.b64decode(b) for b in blobs) and len(set(blobs)) == server_tp
+    for r in range(server_tp):  # each server rank's payloads: the whole model, once
+        got = {}
+        for b in pushes:
+            for name, t in pickle.loads(base64.b64decode(b["serialized_named_tensors"][r])):
+                assert name not in got, name
+                got[name] = t
+        assert sorted(got) == sorted(reference)
+        for name, t in reference.items():
+            assert torch.equal(got[name], t), name
+    step = max(t.numel() * t.element_size() for t in reference.values()) * 2 * world
+    assert max(x for _, _, x in out) <= bucket + step
+
+
+@pytest.mark.distributed
+def test_a_pp2_stream_keeps_one_bucket_per_stage_in_flight(pools):
+    """Issue 42, item 4: rank 0 pushes stage 0 slowly while stage 1 would stream ahead; with
+    sends that do not block (NCCL's), stage 1 used to export and send its whole stage at once.
+    Now it sends a bucket only when rank 0 asks: the bytes stage 1 has exported that rank 0 has
+    not yet taken never exceed two buckets (the one pushed, the one asked for; each may end
+    one tensor over the size); and rank 0 still gets every tensor of the model, exactly."""
+    bucket = 8 * 1024
+    out = pools(2).run(engine_bodies.stream_in_flight, Layout(pp=2), bucket_bytes=bucket)
+    rank0 = next(o for o in out if o["rank"] == 0)
+    stage1 = next(o for o in out if o["pp"] == 1)
+    names1 = {n for _, _, n in stage1["produced"]}
+    events = [(t, b) for t, b, _ in stage1["produced"]]
+    events += [(t, b) for t, b, n in rank0["taken"] if n in names1]
+    alive = peak = 0
+    for _, b in sorted(events):
+        alive += b
+        peak = max(peak, alive)
+    largest = max(b for _, b, _ in stage1["produced"])
+    whole = sum(b for _, b, _ in stage1["produced"])
+    print(f"stage 1: {whole} bytes, peak in flight {peak} (bucket {bucket})")
+    assert whole > 4 * bucket  # the stage is many buckets: a pile-up would show
+    assert peak <= 2 * (bucket + largest), (peak, whole)
+    got = {n for _, _, n in rank0["taken"]}
+    assert got == set(rank0["full"]) and len(rank0["taken"]) == len(got)

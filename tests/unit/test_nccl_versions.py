@@ -65,3 +65,36 @@ def test_launch_refuses_before_any_server_starts(monkeypatch, tmp_path):
     with pytest.raises(UserError, match=r"trainer's NCCL is 2\.27\.3, the SGLang environment"):
         backend_mod._central_engines(cfg.rollout, initialize(Layout()), {}, str(tmp_path))
     assert not started
+
+
+def test_the_probe_runs_in_the_servers_environment(monkeypatch, tmp_path):
+    """Issue 42: an LD_PRELOAD set for the servers only (``rollout.sglang.ld_preload``) must be
+    in the probe's environment, as it is in the launched servers'; the probe used to inherit the
+    trainer's environment instead."""
+    from megatron_p3o.config import load_config
+    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.rollout import backend as backend_mod
+    from megatron_p3o.rollout.sglang import weights
+    from megatron_p3o.rollout.sglang.launch import server_env
+
+    seen = []
+    monkeypatch.setattr(
+        "megatron_p3o.rollout.sglang.build_fleet", lambda *a, **k: pytest.fail("launched")
+    )
+    monkeypatch.setattr(weights, "trainer_nccl_version", lambda: "2.27.3")
+    monkeypatch.setattr(weights, "server_nccl_version", lambda py, env=None: seen.append(env))
+    monkeypatch.setenv("SGLANG_PYTHON", _sglang_python())
+    monkeypatch.setenv("LD_PRELOAD", "/trainer/libnccl.so.2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    lib = str(tmp_path / "libnccl.so.2")
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/m",
+                             "rollout.sglang.device=cuda", "rollout.weight_sync=distributed",
+                             "rollout.sglang.sync_backend=nccl", f"rollout.sglang.ld_preload={lib}",
+                             "rollout.sglang.gpus=4,5"])  # fmt: skip
+    with pytest.raises(BaseException):  # noqa: B017 - the fake probe returns no version
+        backend_mod._central_engines(cfg.rollout, initialize(Layout()), {}, str(tmp_path))
+    assert seen and seen[0] is not None, "the probe inherited the trainer's environment"
+    env = seen[0]
+    assert env["LD_PRELOAD"] == lib and env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert "TORCHELASTIC_RESTART_COUNT" not in env
+    assert server_env(gpus="4,5", ld_preload=lib)["LD_PRELOAD"] == lib

@@ -18,12 +18,17 @@ import torch
 from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
 from megatron_p3o.rollout.sglang.launch import server_env
 from megatron_p3o.rollout.sglang.protocol import (
+    MEMORY_TAGS,
+    RESUME_AFTER_PUSH,
+    RESUME_BEFORE_PUSH,
     EngineResponseError,
     batch_payload,
     disk_payload,
     distributed_payload,
     generate_payload,
     init_group_payload,
+    release_payload,
+    resume_payload,
 )
 from megatron_p3o.types import SamplingParams
 
@@ -103,8 +108,9 @@ def _client_requests():
         ("/begin_weight_update", {}),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush_cache": True,
                                          "weight_version": "4"}),
-        ("/release_memory_occupation", {}),
-        ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ("/release_memory_occupation", release_payload()),
+        ("/resume_memory_occupation", resume_payload(RESUME_BEFORE_PUSH)),
+        ("/resume_memory_occupation", resume_payload(RESUME_AFTER_PUSH)),
         ("/end_weight_update", {}),
         ("/continue_generation", {}),
     ]  # fmt: skip
@@ -401,3 +407,53 @@ def test_routed_experts_response_is_decoded_as_the_release_encodes_it():
     assert s.routed_experts.tolist() == routes.tolist()
     with pytest.raises(EngineResponseError, match="r1: routed_experts holds 16 values"):
         parse_generate_response(resp, [1, 2, 3, 4], 0, routed_experts=(2, 2))
+
+
+def release_source(relpath: str) -> str:
+    """A file of the pinned release's source: from the wheel (as above), else from the SGLang
+    environment's installed copy (``$SGLANG_PYTHON``'s venv, or ``.venv-sglang``)."""
+    env = os.environ.get("P3O_SGLANG_WHEEL")
+    found = [Path(env)] if env else sorted((ROOT / ".cache/sglang").glob(f"sglang-{PINNED}-*.whl"))
+    if found and found[0].is_file():
+        with zipfile.ZipFile(found[0]) as z:
+            return z.read(relpath).decode()
+    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
+    for site in sorted(Path(py).parent.parent.glob("lib/python3*/site-packages")):
+        meta = list(site.glob(f"sglang-{PINNED}.dist-info"))
+        if meta and (site / relpath).is_file():
+            return (site / relpath).read_text()
+    pytest.skip(f"no sglang {PINNED} source (wheel or SGLang environment)")
+
+
+def wheel_memory_tags() -> list:
+    """``GPU_MEMORY_ALL_TYPES`` of the pinned release (``sglang/srt/constants.py``), by ast."""
+    tree = ast.parse(release_source("sglang/srt/constants.py"))
+    consts = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            consts[node.targets[0].id] = node.value
+    return [
+        consts[e.id].value if isinstance(e, ast.Name) else e.value
+        for e in consts["GPU_MEMORY_ALL_TYPES"].elts
+    ]
+
+
+def released_tags(body: dict) -> set:
+    """What a ``/release_memory_occupation`` or ``/resume_memory_occupation`` body covers in
+    the pinned release: no tags means all of them (``weight_updater.py``)."""
+    return set(body.get("tags") or wheel_memory_tags())
+
+
+def test_a_colocated_push_resumes_every_memory_region_it_releases():
+    """Issue 42, item 1: the empty release body freed the CUDA graphs too, and they were never
+    resumed. The release names every region of the pinned release, and the two resumes of a
+    push cover exactly what was released."""
+    tags = wheel_memory_tags()
+    assert "cuda_graph" in tags and set(tags) == set(MEMORY_TAGS), tags
+    released = released_tags(release_payload())
+    resumed = [released_tags(resume_payload(t)) for t in (RESUME_BEFORE_PUSH, RESUME_AFTER_PUSH)]
+    assert released == set(tags)
+    assert resumed[0] | resumed[1] == released and not resumed[0] & resumed[1]
+    assert "weights" in resumed[0]  # loaded into before the push
+    src = release_source("sglang/srt/managers/scheduler_components/weight_updater.py")
+    assert "tags = GPU_MEMORY_ALL_TYPES" in src and "offload_tags.remove(tag)" in src

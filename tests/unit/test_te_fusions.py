@@ -25,3 +25,57 @@ def test_rope_fusion_follows_the_layer_spec(use_te, monkeypatch):
     )  # fmt: skip
     transformer_config(desc, initialize(Layout()), BuildOptions(seq_length=32))
     assert seen["apply_rope_fusion"] is use_te
+
+
+MOE_HF = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32,
+          "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "norm_topk_prob": True, "head_dim": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize("use_te", [True, False])
+def test_fusions_follow_the_layer_spec(use_te, monkeypatch):
+    """Issue 42, item 5: under TE the fusions megatron-core 0.16.1 offers are on (where the
+    kernels they need exist); the local (CPU) spec keeps every one off, as before."""
+    import megatron.core.transformer.transformer_config as tc
+
+    from megatron_p3o import mcore_compat
+
+    seen = {}
+    monkeypatch.setattr(tc, "TransformerConfig", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(builder, "resolve_use_te", lambda opts: use_te)
+    monkeypatch.setattr(mcore_compat, "have_grad_accum_fusion", lambda: True)
+    monkeypatch.setattr(mcore_compat, "have_moe_permute_fusion", lambda: True)
+    desc = ModelDescription.from_hf_config(MOE_HF)
+    transformer_config(desc, initialize(Layout()), BuildOptions(seq_length=32))
+    for flag in ("bias_activation_fusion", "masked_softmax_fusion",
+                 "gradient_accumulation_fusion", "moe_permute_fusion"):  # fmt: skip
+        assert seen[flag] is use_te, (flag, seen[flag])
+
+
+def test_fusions_whose_kernels_are_missing_stay_off(monkeypatch):
+    import megatron.core.transformer.transformer_config as tc
+
+    from megatron_p3o import mcore_compat
+
+    seen = {}
+    monkeypatch.setattr(tc, "TransformerConfig", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(builder, "resolve_use_te", lambda opts: True)
+    monkeypatch.setattr(mcore_compat, "have_grad_accum_fusion", lambda: False)
+    monkeypatch.setattr(mcore_compat, "have_moe_permute_fusion", lambda: False)
+    desc = ModelDescription.from_hf_config(MOE_HF)
+    transformer_config(desc, initialize(Layout()), BuildOptions(seq_length=32))
+    assert not seen["gradient_accumulation_fusion"] and not seen["moe_permute_fusion"]
+    assert (
+        not mcore_compat.have_moe_permute_fusion.__wrapped__()
+        if hasattr(mcore_compat.have_moe_permute_fusion, "__wrapped__")
+        else True
+    )
+
+
+def test_this_machine_has_neither_kernel():
+    from megatron_p3o import mcore_compat
+
+    assert not mcore_compat.have_moe_permute_fusion()  # no TE here
+    assert not mcore_compat.have_grad_accum_fusion()  # no apex here

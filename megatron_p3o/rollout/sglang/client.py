@@ -47,6 +47,8 @@ from .protocol import (
     generate_payload,
     init_group_payload,
     parse_generate_response,
+    release_payload,
+    resume_payload,
     tensor_payload,
 )
 from .weights import resolve_backend
@@ -138,7 +140,7 @@ class SGLangEngine(RolloutEngine):
         key = os.environ.get(API_KEY_ENV)
         self.server = ServerProcess(
             launch_command(self.cfg, self.port, python),
-            server_env(gpus=self.cfg.gpus, cpu_libdir=cpu),
+            server_env(gpus=self.cfg.gpus, cpu_libdir=cpu, ld_preload=self.cfg.ld_preload),
             self.log_dir / f"{self.label}.log",
             secrets=[key] if key else [],
         ).start(config={"api-key": key} if key else None)
@@ -400,6 +402,28 @@ class SGLangEngine(RolloutEngine):
         self._post_checked("/init_weights_update_group", body)
         self._group = name
 
+    def leave_weight_group(self, name: str, quiet: bool = True) -> bool:
+        """``/destroy_weights_update_group`` (SGLang 0.5.23): the server drops the group
+        ``name`` (best effort: never raises; True when the server no longer holds it)."""
+        body = {"group_name": name}
+        try:
+            resp = self._request("POST", "/destroy_weights_update_group", body, timeout=30)
+            ok, msg = resp.get("success", True) is not False, resp.get("message", "")
+        except urllib.error.HTTPError as e:  # 400: "The group to be destroyed does not exist."
+            ok, msg = False, e.read().decode(errors="replace")[:300]
+        except _NET_ERRORS as e:
+            ok, msg = False, str(e)
+        if self._group == name:
+            self._group = None
+        if not quiet:
+            print(
+                f"SGLang {self.label}: weight-update group {name} of a previous launch: "
+                f"{'destroyed' if ok else 'not destroyed'} ({' '.join(str(msg).split())})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return ok or "does not exist" in str(msg)
+
     def solo(self):
         """This server as a fleet of one (its weight group lives there)."""
         if self._solo is None:
@@ -424,9 +448,11 @@ class SGLangEngine(RolloutEngine):
         self._post_checked("/update_weights_from_tensor", tensor_payload(payloads, version, last))
 
     def release_memory(self) -> None:
-        """Colocated: free the server's weights and KV cache for the trainer's update."""
-        self._post_checked("/release_memory_occupation", {})
+        """Colocated: free every memory region of the server (weights, KV cache, CUDA graphs:
+        :data:`.protocol.MEMORY_TAGS`) for the trainer's update."""
+        self._post_checked("/release_memory_occupation", release_payload())
 
     def resume_memory(self, tags: Sequence[str]) -> None:
-        """Colocated: take back ``tags`` ("weights", then "kv_cache" once they are loaded)."""
-        self._post_checked("/resume_memory_occupation", {"tags": list(tags)})
+        """Colocated: take back ``tags`` (:data:`.protocol.RESUME_BEFORE_PUSH`, then
+        :data:`.protocol.RESUME_AFTER_PUSH` once the weights are loaded)."""
+        self._post_checked("/resume_memory_occupation", resume_payload(tags))

@@ -11,6 +11,7 @@ the failure is seen through the router.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,17 @@ from .client import SGLangEngine
 from .launch import API_KEY_ENV, ServerProcess, resolve_python, router_command
 from .launch import server_env as launch_env
 from .protocol import distributed_payload, with_last
-from .weights import broadcast, resolve_backend, weight_sync_group
+from .weights import (
+    GROUP_JOIN_TIMEOUT_S,
+    broadcast,
+    group_name,
+    host_store,
+    race,
+    resolve_backend,
+    weight_sync_group,
+)
+
+GROUP_RECORD = "weight_group.json"  # in the log dir: the group the last launch formed
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,8 @@ class SGLangFleet(RolloutEngine):
         self.router_process = router_process
         self.weight_version = 0
         self._group = None  # (process group, name, backend) spanning every server
+        self.group_record: Optional[Path] = None  # where the group's name is kept (build_fleet)
+        self._store = None  # the weight-update group's rendezvous store (rank 0 hosts it)
         if router_process is not None:
             router.process = router_process
             router.concurrency = sum(w.concurrency for w in self.workers)
@@ -96,10 +109,46 @@ class SGLangFleet(RolloutEngine):
         )
 
     def stop(self) -> None:
+        self._leave_group()
         if self.router_process is not None:
             self.router_process.stop()
         for w in {id(w): w for w in [self.router, *self.workers]}.values():
             w.stop()
+
+    def _leave_group(self) -> None:
+        """Servers that outlive this trainer (attached) destroy its weight-update group, so
+        that they hold no dead groups (and their NCCL buffers) across restarts; best effort."""
+        if self._group is None:
+            return
+        name = self._group[1]
+        self._group = None
+        left = [w.leave_weight_group(name) for w in self.workers if not w.launches]
+        if all(left) and self.group_record is not None:
+            self.group_record.unlink(missing_ok=True)
+
+    def _destroy_recorded_group(self) -> None:
+        """A restarted trainer: the group the previous launch formed with these (attached)
+        servers, if it did not destroy it itself (a crash), is destroyed first (SGLang 0.5.23's
+        ``/destroy_weights_update_group``); a server that no longer holds it says so and the
+        launch goes on (the new group has a name of its own anyway)."""
+        rec = self.group_record
+        if rec is None or not rec.is_file():
+            return
+        try:
+            old = json.loads(rec.read_text())
+        except ValueError:
+            return
+        for w in self.workers:
+            if not w.launches and w.url in old.get("workers", []):
+                w.leave_weight_group(old.get("group", ""), quiet=False)
+
+    def _record_group(self, name: str) -> None:
+        if self.group_record is None:
+            return
+        self.group_record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.group_record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"group": name, "workers": [w.url for w in self.workers]}))
+        tmp.replace(self.group_record)
 
     def _recover_workers(self) -> None:
         """A request through the router failed: relaunch (and reload) any server that died."""
@@ -125,22 +174,49 @@ class SGLangFleet(RolloutEngine):
     def init_weight_update_groups(self, master_address: str, port: int) -> None:
         """One group spanning every server: {trainer rank 0} ∪ server 0's ranks ∪ server 1's …
         (world 1 + Σ tp_size), so each bucket is broadcast once for the whole fleet. Every
-        server's join and the trainer's are one rendezvous: they run concurrently."""
+        server's join and the trainer's are one rendezvous: they run concurrently, and the first
+        of them to fail (a server refusing the group, the trainer's end) is an error at once, in
+        one line (:func:`.weights.race`). The group is named per launch
+        (:func:`.weights.group_name`); the one a previous launch left on attached servers is
+        destroyed first."""
+        from .launch import SGLangSetupError
+
         world = 1 + sum(w.cfg.tp_size for w in self.workers)
         offsets = [
             1 + sum(w.cfg.tp_size for w in self.workers[:i]) for i in range(len(self.workers))
         ]
         backend = resolve_backend(self.workers[0].cfg)
-        name = "p3o_weight_sync"
-        with ThreadPoolExecutor(len(self.workers)) as pool:
-            futs = [
-                pool.submit(w.join_weight_group, master_address, port, world, off, name)
-                for w, off in zip(self.workers, offsets)
-            ]
-            pg = weight_sync_group(master_address, port, world, name, backend)
-            for f in futs:
-                f.result()
+        name = group_name()
+        self._destroy_recorded_group()
+        what = f"weight-update group {name} ({backend}, {master_address}:{port}, world {world})"
+        try:
+            store = host_store(master_address, port, world)
+        except (RuntimeError, OSError) as e:  # the port is taken: before any server is asked
+            msg = " ".join(str(e).split())
+            raise SGLangSetupError(
+                f"{what}: the trainer cannot host its rendezvous: {msg} (set "
+                "rollout.weight_sync_port to a free port)"
+            ) from None
+        jobs = [
+            (
+                f"SGLang {w.label} ({w.url})",
+                lambda w=w, off=off: w.join_weight_group(master_address, port, world, off, name),
+            )
+            for w, off in zip(self.workers, offsets)
+        ]
+        jobs.append(
+            (
+                "the trainer's end",
+                lambda: weight_sync_group(master_address, port, world, name, backend, store),
+            )
+        )
+        try:
+            pg = race(jobs, GROUP_JOIN_TIMEOUT_S, what)[-1]
+        except Exception as e:
+            raise SGLangSetupError(str(e)) from None
         self._group = (pg, name, backend)
+        self._store = store  # the rendezvous store lives as long as the group
+        self._record_group(name)
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Every server pauses and opens a session; each bucket (streamed once from the
@@ -210,7 +286,9 @@ def build_fleet(cfg, worker_urls: Sequence[str], log_dir, transport: str) -> SGL
         router = SGLangEngine(cfg, log_dir=log_dir)
         workers = [SGLangEngine(replace(cfg, url=u), label=f"worker{i}", log_dir=log_dir)
                    for i, u in enumerate(worker_urls)]  # fmt: skip
-        return SGLangFleet(router, workers or [router], transport)
+        fleet = SGLangFleet(router, workers or [router], transport)
+        fleet.group_record = log_dir / GROUP_RECORD  # attached servers outlive this launch
+        return fleet
     servers = [SGLangEngine(cfg, port=cfg.port + i, label=f"server{i}", log_dir=log_dir)
                for i in range(cfg.servers)]  # fmt: skip
     if cfg.servers == 1:

@@ -84,6 +84,9 @@ class LaunchSettings:
             set by the backend, GPU only.
         memory_saver: ``--enable-memory-saver`` (set by the backend for
             ``weight_sync: colocated``: without it /release_memory_occupation frees nothing).
+        ld_preload: ``LD_PRELOAD`` of launched servers only (e.g. one ``libnccl.so.2`` for the
+            trainer's and the servers' NCCL, cluster.md); the NCCL probe of the SGLang
+            environment runs with it too.
         extra_args: more ``sglang.launch_server`` arguments.
         log_dir: where server logs and pid files go ("" = ``<run dir>/sglang``).
     """
@@ -104,6 +107,7 @@ class LaunchSettings:
     deterministic: bool = False
     routed_experts: Optional[Tuple[int, int]] = None
     memory_saver: bool = False
+    ld_preload: Optional[str] = None
     extra_args: Tuple[str, ...] = field(default_factory=tuple)
     log_dir: str = ""
 
@@ -166,10 +170,16 @@ def cpu_stub_dir(python: str) -> Path:
     return d
 
 
-def server_env(base: Optional[dict] = None, gpus: Optional[str] = None, cpu_libdir=None) -> dict:
+def server_env(
+    base: Optional[dict] = None,
+    gpus: Optional[str] = None,
+    cpu_libdir=None,
+    ld_preload: Optional[str] = None,
+) -> dict:
     """The environment of a launched server: the caller's without torchrun's variables, with
-    ``SGLANG_RETURN_ORIGINAL_LOGPROB=false`` (ℓb at the sampling temperature) and the GPUs; on
-    CPU, SGLang's CPU engine and the ``libcuda.so.1`` stand-in."""
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB=false`` (ℓb at the sampling temperature), the GPUs and
+    ``ld_preload`` (``rollout.sglang.ld_preload``); on CPU, SGLang's CPU engine and the
+    ``libcuda.so.1`` stand-in."""
     env = {k: v for k, v in (os.environ if base is None else base).items()}
     for k in _TORCHRUN_ENV:
         env.pop(k, None)
@@ -178,6 +188,8 @@ def server_env(base: Optional[dict] = None, gpus: Optional[str] = None, cpu_libd
     env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
+    if ld_preload:
+        env["LD_PRELOAD"] = ld_preload
     if cpu_libdir is not None:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(

@@ -194,6 +194,31 @@ def parse_generate_response(
     )
 
 
+# The GPU memory regions of SGLang 0.5.23 (``sglang/srt/constants.py``: GPU_MEMORY_ALL_TYPES).
+# ``/release_memory_occupation`` without tags releases every one of them
+# (``scheduler_components/weight_updater.py``), CUDA graphs included: they are captured in the
+# ``cuda_graph`` region when the memory saver is on (colocated servers). A colocated push
+# releases all of them by name and resumes exactly the same set (a tag resumed that was never
+# released is a KeyError there): the weights before the push, the rest before generation.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+RESUME_BEFORE_PUSH = ("weights",)
+RESUME_AFTER_PUSH = ("kv_cache", "cuda_graph")
+assert sorted(RESUME_BEFORE_PUSH + RESUME_AFTER_PUSH) == sorted(MEMORY_TAGS)
+
+
+def release_payload() -> dict:
+    """``/release_memory_occupation``: every region, named (never the empty body)."""
+    return {"tags": list(MEMORY_TAGS)}
+
+
+def resume_payload(tags: Sequence[str]) -> dict:
+    """``/resume_memory_occupation`` of ``tags`` (a subset of :data:`MEMORY_TAGS`)."""
+    unknown = set(tags) - set(MEMORY_TAGS)
+    if unknown or not tags:
+        raise ValueError(f"resume_memory_occupation: tags {list(tags)} not in {MEMORY_TAGS}")
+    return {"tags": list(tags)}
+
+
 def with_last(items: Iterable):
     """``(item, is_last)`` with one item of look-ahead (buckets arrive as a stream)."""
     it = iter(items)

@@ -57,7 +57,10 @@ def main(argv=None) -> int:
     key = os.environ.get(API_KEY_ENV)
     if a.what == "server":
         cpu = cpu_stub_dir(python) if resolve_device(sg) == "cpu" else None
-        cmd, env = launch_command(sg, a.port, python), server_env(cpu_libdir=cpu)
+        cmd, env = (
+            launch_command(sg, a.port, python),
+            server_env(cpu_libdir=cpu, ld_preload=sg.ld_preload),
+        )
         config = {"api-key": key} if key else None
     else:
         if not a.workers:

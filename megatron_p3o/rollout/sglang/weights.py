@@ -15,9 +15,15 @@ Two transports besides the disk (``/update_weights_from_disk``, see ``central``)
 
 from __future__ import annotations
 
+import os
+import queue
+import re
+import secrets
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Callable, List, Literal, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,8 +90,92 @@ def check_nccl_versions(trainer: Optional[str], server: Optional[str], python: s
     )
 
 
+GROUP_PREFIX = "p3o_ws"
+GROUP_JOIN_TIMEOUT_S = 300.0  # every member of a weight-update group has joined within this
+
+
+def group_name(env: Optional[dict] = None) -> str:
+    """The weight-update group's name for this launch: job, restart count and a nonce.
+
+    Why per launch: the server keeps a group after the trainer that formed it is gone, and
+    torch refuses a second group of the same name (``The specified group name has already been
+    created``), so a trainer restarted against servers that outlived it (``p3o.sbatch``'s
+    ``--max-restarts``) could never rejoin under a fixed name. The job id is ``SLURM_JOB_ID``
+    (else torchrun's run id), the restart count torchrun's ``TORCHELASTIC_RESTART_COUNT`` (else
+    ``SLURM_RESTART_COUNT``); the nonce keeps two launches of one job apart in any case."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local"
+    job = re.sub(r"[^A-Za-z0-9]", "", job)[:24] or "local"
+    restart = env.get("TORCHELASTIC_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or "0"
+    restart = re.sub(r"[^0-9]", "", restart) or "0"
+    return f"{GROUP_PREFIX}_{job}_r{restart}_{secrets.token_hex(4)}"
+
+
+def host_store(master_address: str, master_port: int, world: int, timeout_s: float = 600.0):
+    """The weight-update group's rendezvous store, hosted here (rank 0). It does not wait for the
+    servers to connect (torch's default would block right here, before any server has been
+    asked to join): the port is bound, or refused, at once."""
+    from datetime import timedelta
+
+    return torch.distributed.TCPStore(
+        master_address,
+        master_port,
+        world,
+        True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+class GroupSetupError(RuntimeError):
+    """A weight-update group could not be formed (one line: who failed, and why)."""
+
+
+def race(jobs: Sequence[Tuple[str, Callable[[], object]]], timeout_s: float, what: str) -> List:
+    """Run ``jobs`` (``(who, fn)``) at once, each in a daemon thread; their results in order.
+
+    The first failure is raised at once as one line naming who failed, without waiting for the
+    others: a member that cannot join leaves the rest blocked in the rendezvous (the trainer's
+    end until its store timeout, 10 minutes; a server's until SGLang's 30), and waiting for them
+    is the silent hang of a refused group. Daemon threads: a process exiting on the error is not
+    held back by a member still blocked in torch's C++ rendezvous (it releases the GIL)."""
+    done: "queue.Queue" = queue.Queue()
+    for i, (_who, fn) in enumerate(jobs):
+
+        def run(i=i, fn=fn):
+            try:
+                done.put((i, True, fn()))
+            except BaseException as e:  # noqa: BLE001 - reported by the waiting thread
+                done.put((i, False, e))
+
+        threading.Thread(target=run, name=f"p3o-group-{i}", daemon=True).start()
+    out: List = [None] * len(jobs)
+    pending = set(range(len(jobs)))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        try:
+            i, ok, value = done.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            who = ", ".join(jobs[i][0] for i in sorted(pending))
+            raise GroupSetupError(
+                f"{what}: {who} did not join within {timeout_s:.0f}s (is the master address "
+                "reachable from every server?)"
+            ) from None
+        pending.discard(i)
+        if not ok:
+            msg = " ".join(str(value).split()) or type(value).__name__
+            raise GroupSetupError(f"{what}: {jobs[i][0]} failed: {msg}") from None
+        out[i] = value
+    return out
+
+
 def weight_sync_group(
-    master_address: str, master_port: int, world: int, group_name: str, backend: str = "nccl"
+    master_address: str,
+    master_port: int,
+    world: int,
+    group_name: str,
+    backend: str = "nccl",
+    store=None,
 ):
     """The trainer's end (rank 0) of the weight-update group, made as SGLang makes its end
     (``init_custom_process_group``): the ``tcp://`` rendezvous's store (hosted here, rank 0),
@@ -94,13 +184,15 @@ def weight_sync_group(
     never reads. The store is made directly, not by ``rendezvous("tcp://…")``: under torchrun
     (``TORCHELASTIC_USE_AGENT_STORE``) that would join the agent's store instead of hosting one
     at ``master_port``, and the server, which connects there, would wait forever.
-    Torch-private API: the one place it is used."""
+    ``store``: one :func:`host_store` made beforehand (so that a taken port fails before any
+    server is asked to join). Torch-private API: the one place it is used."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(minutes=10)
-    store = torch.distributed.TCPStore(master_address, master_port, world, True, timeout=timeout)
+    if store is None:
+        store = host_store(master_address, master_port, world, timeout.total_seconds())
     store = c10d.PrefixStore(group_name, store)
     rank = 0
     pg, _ = c10d._new_process_group_helper(

@@ -1,0 +1,92 @@
+"""Issue 42, item 2 (the parts a CPU can check without ranks): ``--dry-run`` counts the colocated
+push buffers next to the trainer's state and the server's weights, and what a colocated or
+CUDA-IPC push cannot serve is refused before any server starts, in one line each."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_p3o.config import load_config
+from megatron_p3o.train import main
+
+ROOT = Path(__file__).resolve().parents[2]
+MOE = str(ROOT / "recipes/qwen3_30b_a3b_h100x8.yaml")
+
+
+def _cli(monkeypatch, *args) -> int:
+    from megatron_p3o.errors import run_cli
+
+    monkeypatch.setattr(sys, "argv", ["megatron_p3o.train", *args])
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, "megatron_p3o.train")
+    return e.value.code
+
+
+def test_the_moe_recipe_fits_with_its_push_buffers(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main([MOE, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("during a colocated push"))
+    # 30.53 B parameters in bf16 over the server's tp 8; two 256 MiB buckets plus the
+    # 151936 × 2048 embedding (0.58 GiB) over each and once more
+    assert "server weights 7.11 GiB" in line and "push buffers 2.24 GiB" in line, line
+    total = float(line.rsplit("=", 1)[1].split()[0])
+    assert total < 0.9 * 80
+
+
+def test_a_push_that_cannot_fit_is_refused(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code = _cli(monkeypatch, MOE, "--dry-run", "--set", "rollout.sglang.tp_size=1",
+                "--set", "rollout.sglang.mem_fraction_static=0.05")  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "a colocated push needs" in err and "push buffers" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _central(monkeypatch, tmp_path, sets, cuda=False):
+    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.rollout import backend as backend_mod
+
+    class Launched(Exception):
+        pass
+
+    def fake_fleet(*a, **k):
+        raise Launched
+
+    monkeypatch.setattr("megatron_p3o.rollout.sglang.build_fleet", fake_fleet)
+    base = ["rollout.engine=sglang", "rollout.sglang.model_path=/m", "rollout.sglang.device=cuda"]
+    cfg = load_config(None, base + sets)
+    groups = initialize(Layout())
+    if cuda:
+        import torch
+
+        monkeypatch.setattr(type(groups), "device", property(lambda s: torch.device("cuda", 0)))
+    try:
+        backend_mod._central_engines(cfg.rollout, groups, {}, str(tmp_path))
+    except Launched:
+        return None
+    except Exception as e:
+        return str(e)
+    return None
+
+
+def test_colocated_with_several_servers_is_refused(monkeypatch, tmp_path):
+    msg = _central(monkeypatch, tmp_path, ["rollout.weight_sync=colocated",
+                                           "rollout.sglang.servers=2"])  # fmt: skip
+    assert msg and "colocated with 2 servers" in msg and "\n" not in msg, msg
+    msg = _central(monkeypatch, tmp_path, ["rollout.weight_sync=colocated",
+                                           "rollout.sglang.url=http://127.0.0.1:1",
+                                           "rollout.sglang_workers=[http://127.0.0.1:2,"
+                                           "http://127.0.0.1:3]"])  # fmt: skip
+    assert msg and "colocated with 2 servers" in msg, msg
+    assert _central(monkeypatch, tmp_path, ["rollout.weight_sync=colocated"]) is None
+
+
+def test_cuda_ipc_tensor_pushes_to_another_node_are_refused(monkeypatch, tmp_path):
+    remote = ["rollout.weight_sync=tensor", "rollout.sglang.url=http://gpu-node-17.invalid:30000"]
+    assert _central(monkeypatch, tmp_path, remote) is None  # a CPU trainer sends the data
+    msg = _central(monkeypatch, tmp_path, remote, cuda=True)
+    assert msg and "CUDA-IPC" in msg and "gpu-node-17" in msg and "\n" not in msg, msg
+    local = ["rollout.weight_sync=tensor", "rollout.sglang.url=http://127.0.0.1:30000"]
+    assert _central(monkeypatch, tmp_path, local, cuda=True) is None
