@@ -112,16 +112,18 @@ def _tensors(d: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("which", ["base", "moe_base"])
+@pytest.mark.parametrize("which", ["base", "moe_base", "trained_export"])
 def test_fp8_checkpoint_loads_in_transformers(which, request, tmp_path):
     """``megatron_to_hf --quantize fp8``: transformers' FP8 loader (dequantizing on CPU) gives
     back exactly the block-rounded weights, the rest of the model untouched; the logits stay
-    within FP8 rounding of the unquantized export's."""
+    within FP8 rounding of the unquantized export's. ``trained_export``: a checkpoint the
+    trainer wrote at TP=2 × PP=2, read through its run directory (issue 41)."""
     from transformers import AutoModelForCausalLM
 
     src = request.getfixturevalue(which)
-    _export(src / "ckpt", tmp_path / "ref")
-    _export(src / "ckpt", tmp_path / "fp8", quantize="fp8")
+    ckpt = src[0] if which == "trained_export" else src / "ckpt"
+    _export(ckpt, tmp_path / "ref")
+    _export(ckpt, tmp_path / "fp8", quantize="fp8")
     cfg = json.loads((tmp_path / "fp8/config.json").read_text())
     assert cfg["quantization_config"] == quantization_config()
     ref, fp8 = _tensors(tmp_path / "ref"), _tensors(tmp_path / "fp8")
