@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the project and runs the main job: the tiny CPU recipe end to end (P3O on 2-digit
-# addition; bf16 rollouts, fp32 trainer). The base model is made on first use (~1 min).
+# addition; bf16 rollouts, fp32 trainer). The base model is made on first use (~1 min on an idle
+# 2-core machine, several on a loaded one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
