@@ -43,14 +43,16 @@ class _StatsRecorder:
         pass
 
 
-def areal_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[dict]]:
-    consts = new_module("peer_areal_constants")
+def _areal_loss_module(src: PeerSource, name: str, stats, dist, **extra):
+    """A scratch module holding AReaL's constants, ``RejectionSamplingConfig`` and the loss
+    functions of ``functional.py`` (the part both recorders share), with the stand-ins they
+    need; ``dist``: torch.distributed or a one-rank stand-in. Returns (module, line spans)."""
+    consts = new_module(f"{name}_constants")
     exec_whole(src, AREAL_CONSTANTS, consts)
-    stats = _StatsRecorder()
     mod = new_module(
-        "peer_areal",
+        name,
         torch=torch,
-        dist=torch.distributed,
+        dist=dist,
         functools=functools,
         dataclass=dataclasses.dataclass,
         field=dataclasses.field,
@@ -62,6 +64,7 @@ def areal_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list
         _log_version_staleness_stats=lambda **kw: None,
         compute_prox_logp_approximations=_not_needed("compute_prox_logp_approximations"),
         sapo_loss_fn=_not_needed("sapo_loss_fn"),
+        **extra,
         **{k: v for k, v in vars(consts).items() if not k.startswith("__")},
     )
     spans = {}
@@ -80,6 +83,12 @@ def areal_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list
             mod,
         )
     )
+    return mod, spans
+
+
+def areal_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list[dict]]:
+    stats = _StatsRecorder()
+    mod, spans = _areal_loss_module(src, "peer_areal", stats, torch.distributed)
     m2_spans = load_defs(
         src,
         AREAL_ACTOR,
@@ -198,7 +207,7 @@ def areal_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list
             m2_threshold=cfg["m2_threshold"],
             importance_sampling_level="token",
             current_version=None,
-            prox_logp_method=consts.PROX_LOGP_METHOD_RECOMPUTE,
+            prox_logp_method=mod.PROX_LOGP_METHOD_RECOMPUTE,
             use_sapo_loss=False,
             use_decoupled_loss=True,
         )
@@ -221,7 +230,7 @@ def areal_cases(src: PeerSource, x: dict[str, torch.Tensor]) -> tuple[dict, list
                 "peer_config": {
                     **cfg,
                     "rejection_sampling": None if rs_obj is None else dataclasses.asdict(rs_obj),
-                    "prox_logp_method": consts.PROX_LOGP_METHOD_RECOMPUTE,
+                    "prox_logp_method": mod.PROX_LOGP_METHOD_RECOMPUTE,
                     "use_decoupled_loss": True,
                     "importance_sampling_level": "token",
                 },
@@ -259,42 +268,9 @@ def areal_m2po_edge_cases(src: PeerSource, input_sets: list) -> tuple[dict, list
     ``compute_total_loss_weight`` (train_engine.py), as MegatronEngine scales each micro-batch's
     loss (``loss_scale = local_weight / total_loss_weight * loss_multiplier``; the multiplier
     undoes Megatron's division by the micro-batch count and DP size: 1 here)."""
-    consts = new_module("peer_areal_constants_m2")
-    exec_whole(src, AREAL_CONSTANTS, consts)
     stats = _StatsRecorder()
-    mod = new_module(
-        "peer_areal_m2",
-        torch=torch,
-        dist=_single_rank_dist(),
-        functools=functools,
-        dataclass=dataclasses.dataclass,
-        field=dataclasses.field,
-        Any=typing.Any,
-        Callable=typing.Callable,
-        KLEstimator=types.SimpleNamespace(_compute_approx_kl=_not_needed("KLEstimator")),
-        stats_tracker=stats,
-        infer_token_denominator=lambda input_data, loss_mask: loss_mask,
-        _log_proximal_approximation_stats=lambda **kw: None,
-        _log_version_staleness_stats=lambda **kw: None,
-        compute_prox_logp_approximations=_not_needed("compute_prox_logp_approximations"),
-        sapo_loss_fn=_not_needed("sapo_loss_fn"),
-        **{k: v for k, v in vars(consts).items() if not k.startswith("__")},
-    )
-    spans = {}
-    spans.update(load_defs(src, AREAL_CLI, ["RejectionSamplingConfig"], mod))
-    spans.update(
-        load_defs(
-            src,
-            AREAL_FUNCTIONAL,
-            [
-                "_compute_sequence_level_ratio_and_advantages",
-                "RejectionSamplingResult",
-                "_check_bounds",
-                "apply_rejection_sampling",
-                "ppo_actor_loss_fn",
-            ],
-            mod,
-        )
+    mod, spans = _areal_loss_module(
+        src, "peer_areal_m2", stats, _single_rank_dist(), Callable=typing.Callable
     )
     spans.update(
         load_defs(
@@ -365,7 +341,7 @@ def areal_m2po_edge_cases(src: PeerSource, input_sets: list) -> tuple[dict, list
                     m2_threshold=cfg["m2_threshold"],
                     importance_sampling_level="token",
                     current_version=None,
-                    prox_logp_method=consts.PROX_LOGP_METHOD_RECOMPUTE,
+                    prox_logp_method=mod.PROX_LOGP_METHOD_RECOMPUTE,
                     use_sapo_loss=False,
                     use_decoupled_loss=True,
                 )
@@ -391,7 +367,7 @@ def areal_m2po_edge_cases(src: PeerSource, input_sets: list) -> tuple[dict, list
                         "rejection_sampling": None
                         if rs_obj is None
                         else dataclasses.asdict(rs_obj),
-                        "prox_logp_method": consts.PROX_LOGP_METHOD_RECOMPUTE,
+                        "prox_logp_method": mod.PROX_LOGP_METHOD_RECOMPUTE,
                         "use_decoupled_loss": True,
                         "importance_sampling_level": "token",
                     },
