@@ -37,25 +37,15 @@ class ExportSource:
     notes: List[str]
 
 
-def _step_dirs(root: Path) -> List[Path]:
-    from megatron_p3o.checkpoint import _step_dirs
-
-    return _step_dirs(root)
-
-
 def newest_verified(run_dir: Path, notes: List[str]) -> Path:
     """The checkpoint a run would resume from (``latest`` if it verifies, else the newest that
     does), read-only; one error naming every damaged one when none verifies."""
-    from megatron_p3o.checkpoint import LATEST
+    from megatron_p3o.checkpoint import checkpoint_candidates
     from megatron_p3o.manifest import check
 
     root = run_dir / "checkpoints"
-    pointer = root / LATEST
-    latest = root / pointer.read_text().strip() if pointer.is_file() else None
-    candidates = [latest] if latest is not None else []
-    candidates += [p for p in reversed(_step_dirs(root)) if p != latest]
     problems = []
-    for ck in candidates:
+    for ck in checkpoint_candidates(root):
         bad = "missing" if not ck.is_dir() else check(ck)
         if bad is None:
             if problems:
@@ -109,6 +99,8 @@ def resolve(path: str | Path) -> ExportSource:
     notes: List[str] = []
     ck = newest_verified(p, notes) if (p / "checkpoints").is_dir() else p
     if not (ck / "metadata.json").is_file():
+        from megatron_p3o.checkpoint import _step_dirs
+
         steps = _step_dirs(ck)
         hint = f" (it holds {steps[-1].name}: pass that or its run directory)" if steps else ""
         raise CheckpointError(

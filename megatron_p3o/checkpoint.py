@@ -14,7 +14,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -286,16 +286,22 @@ def _step_dirs(root: Path):
     return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name))
 
 
+def checkpoint_candidates(root: Path) -> List[Path]:
+    """The checkpoints under ``root`` in the order a resume tries them: ``latest``'s target
+    (which may be missing), then every ``step_N`` directory, newest first."""
+    pointer = root / LATEST
+    latest = root / pointer.read_text().strip() if pointer.is_file() else None
+    candidates = [latest] if latest is not None else []
+    return candidates + [p for p in reversed(_step_dirs(root)) if p != latest]
+
+
 def resumable_checkpoint(run_dir: str | Path, say=print) -> Path | None:
     """The checkpoint to resume from: ``latest`` if it verifies against its manifest, else the
     newest one that does (``say`` tells, in one line, which file was bad). A bad one is renamed
     ``<name>.damaged`` — kept, no longer counted by keep-last-N. None when there is none; one
     clear error when none verifies. All ranks call this (the digests are split over them)."""
     root = Path(run_dir) / "checkpoints"
-    pointer = root / LATEST
-    latest = root / pointer.read_text().strip() if pointer.is_file() else None
-    candidates = [latest] if latest is not None else []
-    candidates += [p for p in reversed(_step_dirs(root)) if p != latest]
+    candidates = checkpoint_candidates(root)
     rank = dist.get_rank() if dist.is_initialized() else 0
     problems = []
     for ck in candidates:

@@ -50,16 +50,11 @@ def main(argv=None) -> int:
         run=replace(cfg.run, dir=str(out), name=SCRATCH),
         wandb=replace(cfg.wandb, enabled=False),
     )
-    import torch.distributed as dist
     from rich.console import Console
 
-    from megatron_p3o.parallel import init_distributed, initialize
+    from megatron_p3o.train import start_groups
 
-    if cfg.parallel.tp > 1:
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    init_distributed()
-    cfg.validate(dist.get_world_size()).check_rollout_gpus(dist.get_world_size())
-    groups = initialize(cfg.parallel.layout(), seed=cfg.run.seed)
+    groups = start_groups(cfg)
     con = Console(quiet=groups.rank != 0, soft_wrap=True, stderr=False)
     report = probe(cfg, groups, a.prompts, con)
     report["recipe"] = str(a.recipe)

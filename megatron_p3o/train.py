@@ -36,27 +36,25 @@ def main(argv=None) -> int:
         world = a.world_size or cfg.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         return dry_run(a.recipe, cfg, world, a.gpu_gib, a.gpus_per_node, a.nodes)
     import torch
-    import torch.distributed as dist
     from rich.console import Console
 
-    from megatron_p3o.parallel import init_distributed, initialize
     from megatron_p3o.trainer import Trainer
 
     if _finished(cfg):
         return 0
-    if cfg.parallel.tp > 1:  # Megatron's TP comm/compute overlap needs one CUDA queue
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    init_distributed()
-    cfg.validate(dist.get_world_size()).check_rollout_gpus(dist.get_world_size())
-    p = cfg.parallel
-    layout = p.layout()
-    groups = initialize(layout, seed=cfg.run.seed)
+    groups = start_groups(cfg)
     con = Console(quiet=groups.rank != 0, soft_wrap=True)  # paths are printed whole, never wrapped
     con.print(f"layout {groups.layout}; {cfg.batch_arithmetic(groups.layout.dp)}")
     r = cfg.rollout
-    if r.logprob_noise or r.logit_noise or r.engine_temperature is not None:
+    if (
+        r.logprob_noise
+        or r.logit_noise
+        or r.weight_rounding_step
+        or r.engine_temperature is not None
+    ):
         con.print(f"[yellow]stress injection on: {r.logprob_noise=} {r.logit_noise=} "
-                  f"{r.engine_temperature=} (trainer T={r.sampling.temperature})")  # fmt: skip
+                  f"{r.weight_rounding_step=} {r.engine_temperature=} "
+                  f"(trainer T={r.sampling.temperature})")  # fmt: skip
     if r.deterministic:  # the zero-mismatch control (GPU-unverified; README)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -73,6 +71,20 @@ def main(argv=None) -> int:
         if stop is not None:
             stop.close()
         trainer.close()
+
+
+def start_groups(cfg):
+    """The process groups of a run (torchrun's world, else one process), after the checks that
+    need the world size; shared by the trainer and ``megatron_p3o.probe``."""
+    import torch.distributed as dist
+
+    from megatron_p3o.parallel import init_distributed, initialize
+
+    if cfg.parallel.tp > 1:  # Megatron's TP comm/compute overlap needs one CUDA queue
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    init_distributed()
+    cfg.validate(dist.get_world_size()).check_rollout_gpus(dist.get_world_size())
+    return initialize(cfg.parallel.layout(), seed=cfg.run.seed)
 
 
 def _finished(cfg) -> bool:
