@@ -38,8 +38,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.fixture(scope="session")
 def base(tmp_path_factory):
-    """The quickstart's own base model (trained to its target accuracy, ~30 s), so the learning
-    tests measure what a user gets (e2e and the SGLang tier)."""
+    """The quickstart's own base model (the one shipped in ``bases/tiny_addition``, installed by
+    ``tools/make_tiny_base.py`` in seconds: the same weights on every CPU), so the learning tests
+    measure what a user gets (e2e and the SGLang tier)."""
     from tests.e2e.cli import ENV, ROOT
 
     made = os.environ.get("P3O_TEST_BASE")  # a developer's base made earlier (not in CI)

@@ -1,11 +1,18 @@
 """Make the tiny base model of the CPU recipe: a supervised warm-up on 2-digit addition.
 
-    python tools/make_tiny_base.py --out runs/tiny_base [--target-acc 0.5] [--max-steps 3000]
+    python tools/make_tiny_base.py --out runs/tiny_base            # the shipped base (seconds)
+    python tools/make_tiny_base.py --train --out runs/my_base [--target-acc 0.5] [--max-steps 3000]
     python tools/make_tiny_base.py --moe --out runs/tiny_moe_base    # Qwen3-MoE: 4 experts, top-2
 
-Deterministic (seeded). Writes ``hf/`` (transformers model + character tokenizer), ``ckpt/``
-(Megatron dist checkpoint via checkpoints_convert), ``train.jsonl`` / ``heldout.jsonl`` and
-``base.json`` (held-out accuracy).
+Without ``--train`` (and without any training option) it installs the base shipped in
+``bases/tiny_addition`` (``tools/shipped_base.py``: weights checked against
+``bases/SHA256SUMS``), so every CPU starts from the same weights; training one anew gives
+another base on another instruction set. ``--train`` (or ``--moe``, ``--seed``,
+``--target-acc``, ``--max-steps``, ``--eval-every``) trains a new one:
+
+Deterministic (seeded) on one machine. Writes ``hf/`` (transformers model + character
+tokenizer), ``ckpt/`` (Megatron dist checkpoint via checkpoints_convert), ``train.jsonl`` /
+``heldout.jsonl`` and ``base.json`` (held-out accuracy).
 
 The warm-up runs until the held-out greedy accuracy (checked every ``--eval-every`` steps on 250
 held-out prompts) reaches ``--target-acc``, not for a fixed step count: how long a 2-layer model
@@ -73,14 +80,23 @@ def _fraction(text: str) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/tiny_base")
-    ap.add_argument("--target-acc", type=_fraction, default=0.5)
     ap.add_argument(
-        "--max-steps", type=count_arg, default=3000, help="bound on SFT steps (exit 2 if hit)"
+        "--train", action="store_true", help="train a new base instead of the shipped one"
     )
-    ap.add_argument("--eval-every", type=count_arg, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target-acc", type=_fraction, default=None, help="(training) default 0.5")
+    ap.add_argument(
+        "--max-steps", type=count_arg, default=None, help="(training) SFT bound, exit 2 if hit"
+    )
+    ap.add_argument("--eval-every", type=count_arg, default=None, help="(training) default 5")
+    ap.add_argument("--seed", type=int, default=None, help="(training) default 0")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE model (4 experts, top-2)")
     a = ap.parse_args(argv)
+    options = (a.target_acc, a.max_steps, a.eval_every, a.seed)
+    train_new = a.train or a.moe or any(v is not None for v in options)
+    a.target_acc = 0.5 if a.target_acc is None else a.target_acc
+    a.max_steps = 3000 if a.max_steps is None else a.max_steps
+    a.eval_every = 5 if a.eval_every is None else a.eval_every
+    a.seed = 0 if a.seed is None else a.seed
     from megatron_p3o.quiet import silence_known_warnings
 
     silence_known_warnings()
@@ -94,6 +110,12 @@ def main(argv=None) -> int:
         raise InputFileError(f"--out {out} is a file; give a directory")
     if (out / "base.json").is_file():
         print(f"{out} exists: {(out / 'base.json').read_text()}")
+        return 0
+    if not train_new:
+        from shipped_base import install  # tools/ (this script's folder)
+
+        info = install("tiny_addition", out)
+        print(json.dumps(info))
         return 0
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(a.seed)

@@ -106,6 +106,25 @@ def check_same_sets(grid, todo, sets) -> None:
             )
 
 
+def check_base(grid, checkpoint: str) -> None:
+    """The grid's ``base_hash``: the cells must start from that base (the shipped one), not from
+    one trained on this CPU, whose weights differ on another instruction set. One line if not."""
+    from megatron_p3o.config import ConfigError
+    from megatron_p3o.stress.provenance import tree_hash
+
+    if not Path(checkpoint).exists():
+        raise ConfigError(
+            f"grid {grid.path}: base checkpoint {checkpoint} is missing (install the shipped base: "
+            "python tools/make_tiny_base.py --out runs/tiny_base)"
+        )
+    got = tree_hash(checkpoint)
+    if got != grid.base_hash:
+        raise ConfigError(
+            f"grid {grid.path}: base_hash: {checkpoint} hashes to {got}, the grid expects "
+            f"{grid.base_hash} (the shipped base: python tools/make_tiny_base.py --out DIR)"
+        )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=description(__doc__))
     ap.add_argument("grid", help="the grid file (e.g. recipes/stress_smoke_cpu.yaml)")
@@ -152,6 +171,8 @@ def main(argv=None) -> int:
     con = Console(soft_wrap=True)
     for c in todo:
         cell_config(grid, c)  # every cell must be a valid recipe before anything runs
+    if grid.base_hash and not (a.list or a.report_only or a.worker):
+        check_base(grid, cell_config(grid, todo[0]).model.checkpoint)
     if a.worker:
         i, n = (int(x) for x in a.worker.split("/"))
         todo = todo[i::n]

@@ -141,6 +141,9 @@ class GridConfig:
     # the same store) is reused from it instead of trained again ("" = no store)
     store: str = ""
     store_across_commits: bool = False  # reuse cells of another commit (of a dirty tree's diff)
+    # the base checkpoint's tree hash (provenance.tree_hash) every cell must start from, checked
+    # before any cell runs: a grid written for a shipped base (bases/) refuses another one
+    base_hash: str = ""
     path: str = ""  # the grid file (set by load_grid)
 
     @property

@@ -356,6 +356,17 @@ def test_stress_grid_file_errors(tmp_path):
     )
     r = _run("-m", stress, str(grid), "--list")
     _one_line_error(r, stress, "cell p3o__bf16__s1", "optim.lr=-1.0 must be > 0")
+    other = tmp_path / "other_base"
+    other.mkdir()
+    (other / "weights").write_text("not the shipped base")
+    grid.write_text(
+        f"base: {RECIPE}\nbase_hash: 003ed285272a9928\nwork: {tmp_path / 'w'}\n"
+        f"set: {{model.checkpoint: {other}}}\n"
+        "objectives: {p3o: {objective: p3o}}\nmismatch: {bf16: {}}\n"
+    )
+    r = _run("-m", stress, str(grid))  # refused before any cell runs
+    _one_line_error(r, stress, "base_hash", str(other), "expects 003ed285272a9928")
+    assert not (tmp_path / "w").exists()
 
 
 @pytest.mark.e2e
@@ -366,4 +377,9 @@ def test_make_tiny_base_errors(tmp_path):
     (tmp_path / "file").write_text("")
     r = _run(tool, "--out", str(tmp_path / "file"))
     _one_line_error(r, "make_tiny_base.py", str(tmp_path / "file"), "is a file")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("keep me")
+    r = _run(tool, "--out", str(tmp_path / "full"))  # installing the shipped base loses nothing
+    _one_line_error(r, "make_tiny_base.py", str(tmp_path / "full"), "no base.json")
+    assert (tmp_path / "full" / "notes.txt").read_text() == "keep me"
     assert not (tmp_path / "b").exists()
