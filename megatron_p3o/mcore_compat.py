@@ -49,19 +49,37 @@ def have_moe_permute_fusion() -> bool:
     return all(getattr(mu, n, None) is not None for n in names)
 
 
-def layer_spec(*, use_te: bool, qk_norm: bool, num_experts=None):
+def have_te_grouped_gemm(fp8: bool = False) -> bool:
+    """TE's grouped GEMM for the routed experts (``TEGroupedMLP``): megatron-core 0.16.1 defines
+    ``TEColumnParallelGroupedLinear`` only for TE >= 1.9 (``extensions/transformer_engine.py``;
+    older TE falls back to the legacy ``GroupedMLP``, whose weights are laid out differently and
+    which we do not map), and ``TransformerConfig`` refuses FP8 grouped GEMM below TE 1.11."""
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+        from megatron.core.utils import is_te_min_version
+    except Exception:
+        return False
+    if getattr(te_ext, "TEColumnParallelGroupedLinear", None) is None:
+        return False
+    return not fp8 or is_te_min_version("1.11.0")
+
+
+def layer_spec(*, use_te: bool, qk_norm: bool, num_experts=None, grouped_gemm: bool = False):
     """The GPT decoder layer spec: Transformer Engine's or the local (pure PyTorch) one; with
-    ``num_experts`` an MoE layer (sequential local experts: no grouped GEMM).
+    ``num_experts`` an MoE layer: TE's grouped GEMM (``TEGroupedMLP``, all local experts in one
+    kernel) when ``grouped_gemm``, else sequential local experts (the local spec always).
 
     Both specs give the same dist-checkpoint keys, so one checkpoint loads under either. The
     local spec renames its norms to TE's fused ones (``pre_mlp_layernorm.`` →
     ``mlp.linear_fc1.layer_norm_``), yet TE's MoE spec keeps a standalone ``pre_mlp_layernorm``
-    (an MoE layer has no ``linear_fc1`` to fuse it into): the local MoE spec keeps it too."""
+    (an MoE layer has no ``linear_fc1`` to fuse it into): the local MoE spec keeps it too.
+    ``TEGroupedMLP``'s sharded state dict is "interchangeable with SequentialMLP's"
+    (``moe/experts.py``): one checkpoint serves both expert layouts."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm
+            num_experts=num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=qk_norm
         )
     spec = specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,

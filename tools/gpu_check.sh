@@ -5,10 +5,10 @@
 # CPU against SGLang's pinned source (tests/unit/test_sglang_protocol.py).
 #
 #   here:   bash tools/gpu_wheels.sh        # .whl/: megatron-core 0.16.1 cp312, datasets (+2 deps)
-#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 590 s); 8 files in
+#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 590 s); 9 files in
 #                                           # OUTDIR, to commit under docs/gpu/
 #
-# 1. the tiny base model, then the converter's checkpoint against transformers, logits on the GPU
+# 1. the tiny base model (the shipped one, installed in seconds), then the converter's checkpoint against transformers, logits on the GPU
 # 2. the tiny recipe for 5 steps on one GPU: NCCL (world 1), local spec, bf16 params, the
 #    embedded engine on the GPU (metrics.jsonl)
 # 3. vocab_parallel_logprobs vs Megatron's vocab_parallel_cross_entropy, T=8192, V=151936, bf16:
@@ -19,8 +19,11 @@
 # 6. round 4 (issue 42): a real CUDA-IPC round trip of a weight bucket between two processes on
 #    the one GPU in the colocated payload format, decoded as SGLang does; NCCL with 2 processes
 #    on the one GPU where NCCL allows it (round4.json)
+# 7. every model family's local spec, forward + backward on the GPU against transformers there
+#    (logits, the embedding's gradient), and the fused log-prob (T=4096, V=151936) against
+#    float64 and against the unfused kernel in bf16 (specs.json)
 # Files: env.txt, summary.txt (each step's exit status and RESULT line), log.txt (everything),
-# metrics.jsonl, logprob.json, mfu.json, round3.json, round4.json.
+# metrics.jsonl, logprob.json, mfu.json, round3.json, round4.json, specs.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tools/gpu_check.sh OUTDIR}
@@ -56,7 +59,7 @@ step() {
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
       'transformers', transformers.__version__, 'megatron-core', m.__version__)"
 } > "$OUT/env.txt" 2>&1
-step base 100 $PY tools/make_tiny_base.py --out "$W/base"
+step base 40 $PY tools/make_tiny_base.py --out "$W/base"
 step verify 60 $PY -m checkpoints_convert.verify --hf "$W/base/hf" --ckpt "$W/base/ckpt"
 step train 130 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
   --set "model.checkpoint=$W/base/ckpt" --set "data.path=$W/base/train.jsonl" \
@@ -68,6 +71,7 @@ step logprob 60 $PY benchmarks/bench_gpu.py logprob --device "$DEV" --out "$OUT"
 step mfu 90 $PY benchmarks/bench_gpu.py mfu --device "$DEV" --out "$OUT" $BENCH_ARGS
 step round3 100 $PY tools/gpu_round3.py --device "$DEV" --out "$OUT"
 step round4 50 $PY tools/gpu_round4.py --device "$DEV" --out "$OUT"
+step specs 60 $PY tools/gpu_specs.py --device "$DEV" --out "$OUT"
 echo "gpu_check: $( ((status == 0)) && echo all steps passed || echo some steps FAILED)" \
   | tee -a "$OUT/summary.txt"
 exit $status

@@ -65,9 +65,11 @@ _LOCAL_TO_CANONICAL = {"input_layernorm.weight": "self_attention.linear_qkv.laye
 _LOCAL_TO_CANONICAL_DENSE = {PRE_MLP_NORM_MOE: PRE_MLP_NORM_DENSE}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # a routed expert's tensor: canonical ``mlp.experts.{e}.x``, live
-# ``mlp.experts.local_experts.{e}.x``, dist-checkpoint key ``decoder.layers.mlp.experts.experts.x``
-# (layer and expert are axes)
+# ``mlp.experts.local_experts.{e}.x`` (SequentialMLP) or ``mlp.experts.linear_fc1.weight{e}``
+# (TEGroupedMLP: TE's GroupedLinear names its GEMMs' weights ``weight{i}``), dist-checkpoint key
+# ``decoder.layers.mlp.experts.experts.x`` for both (layer and expert are axes)
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.)?(\d+)\.(.+)$")
+_GROUPED_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 EXPERT_KEY = "mlp.experts.experts."
 
 
@@ -324,6 +326,9 @@ def canonical_name(
     x = _EXPERT_RE.match(rest)
     if x:
         rest = f"mlp.experts.{int(x.group(1)) + expert_offset}.{x.group(2)}"
+    g = _GROUPED_EXPERT_RE.match(rest)
+    if g:
+        rest = f"mlp.experts.{int(g.group(3)) + expert_offset}.{g.group(1)}.{g.group(2)}"
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
 
 

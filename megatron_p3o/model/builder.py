@@ -165,7 +165,7 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
         fp8=opts.fp8,
     )
     if desc.is_moe:
-        kw.update(_moe_config(desc, lay, opts))
+        kw.update(_moe_config(desc, lay, opts, grouped_gemm=use_grouped_gemm(desc, opts)))
         # TE >= 2.1's fused token permutation (megatron-core 0.16.1 checks the same kernels)
         kw.update(moe_permute_fusion=use_te and mcore_compat.have_moe_permute_fusion())
     if opts.recompute:
@@ -175,7 +175,13 @@ def transformer_config(desc: ModelDescription, groups: ParallelGroups, opts: Bui
     return TransformerConfig(**kw)
 
 
-def _moe_config(desc: ModelDescription, lay, opts: BuildOptions) -> dict:
+def use_grouped_gemm(desc: ModelDescription, opts: BuildOptions) -> bool:
+    """Routed experts in one grouped GEMM (TE's ``TEGroupedMLP``) on GPUs with a TE that has it;
+    the sequential expert loop otherwise (the local spec, CPU). Config and spec must agree."""
+    return desc.is_moe and resolve_use_te(opts) and mcore_compat.have_te_grouped_gemm(opts.fp8)
+
+
+def _moe_config(desc: ModelDescription, lay, opts: BuildOptions, grouped_gemm: bool) -> dict:
     """Routed experts as Qwen3-MoE / Mixtral compute them: softmax router in fp32, top-k, the
     top-k probabilities renormalized when ``norm_topk_prob`` (Megatron: top-k of the logits,
     then softmax over them) or the plain softmax probabilities otherwise (``pre_softmax``)."""
@@ -189,7 +195,7 @@ def _moe_config(desc: ModelDescription, lay, opts: BuildOptions) -> dict:
         moe_router_load_balancing_type="aux_loss" if opts.moe_aux_loss_coeff else "none",
         moe_aux_loss_coeff=opts.moe_aux_loss_coeff,
         moe_token_dispatcher_type=opts.moe_dispatcher,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped_gemm,
         expert_model_parallel_size=lay.ep,
         expert_tensor_parallel_size=lay.etp,
     )
@@ -219,7 +225,10 @@ def build_model(
         mcore_compat.moe_without_te()
     mcore_compat.packed_rope_in_one_gather()
     spec = mcore_compat.layer_spec(
-        use_te=use_te, qk_norm=desc.qk_norm, num_experts=desc.num_experts or None
+        use_te=use_te,
+        qk_norm=desc.qk_norm,
+        num_experts=desc.num_experts or None,
+        grouped_gemm=use_grouped_gemm(desc, opts),
     )
     block = spec
     if not use_te:  # padded or packed, with or without CP (see local_attention)

@@ -79,3 +79,67 @@ def test_this_machine_has_neither_kernel():
 
     assert not mcore_compat.have_moe_permute_fusion()  # no TE here
     assert not mcore_compat.have_grad_accum_fusion()  # no apex here
+
+
+@pytest.mark.parametrize("use_te", [True, False])
+def test_grouped_gemm_follows_the_layer_spec(use_te, monkeypatch):
+    """Issue 42, item 5: under TE (with TEGroupedMLP) the routed experts run as one grouped GEMM,
+    config and spec alike; the local spec keeps the sequential expert loop."""
+    import megatron.core.transformer.transformer_config as tc
+
+    from megatron_p3o import mcore_compat
+
+    seen, spec_args = {}, {}
+    monkeypatch.setattr(tc, "TransformerConfig", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(builder, "resolve_use_te", lambda opts: use_te)
+    monkeypatch.setattr(mcore_compat, "have_te_grouped_gemm", lambda fp8=False: True)
+    desc = ModelDescription.from_hf_config(MOE_HF)
+    opts = BuildOptions(seq_length=32)
+    transformer_config(desc, initialize(Layout()), opts)
+    assert seen["moe_grouped_gemm"] is use_te
+    assert builder.use_grouped_gemm(desc, opts) is use_te  # what build_model gives the spec
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    monkeypatch.setattr(
+        specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kw: spec_args.update(kw)
+    )
+    mcore_compat.layer_spec(use_te=True, qk_norm=True, num_experts=4, grouped_gemm=True)
+    assert spec_args["moe_grouped_gemm"] is True
+
+
+def test_grouped_expert_names_map_like_sequential_ones():
+    """TEGroupedMLP's live parameters are ``mlp.experts.linear_fc{1,2}.weight{e}`` (TE's
+    GroupedLinear names its GEMMs' weights ``weight{i}``; read from the pinned megatron-core), and
+    they map to the same canonical expert tensors as SequentialMLP's, EP offset included."""
+    import inspect
+    from pathlib import Path
+
+    import megatron.core.extensions.transformer_engine as te_ext
+    from megatron.core.transformer.moe import experts
+
+    from megatron_p3o.hf.mapping import canonical_name, split_layer, tensor_maps
+
+    src = inspect.getsource(experts.TEGroupedMLP)
+    assert "self.linear_fc1 = build_module" in src and "self.linear_fc2 = build_module" in src
+    assert "f'{name}.weight{i}'" in src  # its sharded_state_dict reads these live names
+    assert 'full_state_dict[f"weight{gemm_idx}"]' in Path(te_ext.__file__).read_text()
+    assert "interchangable with SequentialMLP" in src  # one checkpoint key for both layouts
+
+    desc = ModelDescription.from_hf_config(MOE_HF)
+    known = {tm.mcore for tm in tensor_maps(desc)}
+    for layer in (0, 1):
+        for e in range(2):  # this rank's experts 0,1 are global experts 2,3 (ep rank 1 of 2)
+            for fc in ("linear_fc1", "linear_fc2"):
+                seq = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}.weight"
+                grp = f"decoder.layers.{layer}.mlp.experts.{fc}.weight{e}"
+                a = canonical_name(seq, 0, 2, moe=True)
+                b = canonical_name(grp, 0, 2, moe=True)
+                assert a == b == f"decoder.layers.{layer}.mlp.experts.{e + 2}.{fc}.weight"
+                assert b in known
+                assert split_layer(b) == (f"decoder.layers.mlp.experts.experts.{fc}.weight", layer)
+
+
+def test_no_grouped_gemm_without_te():
+    from megatron_p3o import mcore_compat
+
+    assert not mcore_compat.have_te_grouped_gemm()  # no TE here: the sequential loop
