@@ -27,11 +27,11 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, help="with --dry-run: nodes the job gets (sbatch --nodes)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     a = ap.parse_args(argv)
-    from megatron_p3o.config import load_config
+    from megatron_p3o.config.train_config import load_config
 
     cfg = load_config(a.recipe, a.set)
     if a.dry_run:  # world: --world-size, else the recipe's, else torchrun's, else one process
-        from megatron_p3o.plan import dry_run
+        from megatron_p3o.config.plan import dry_run
 
         world = a.world_size or cfg.parallel.world_size or int(os.environ.get("WORLD_SIZE", "1"))
         return dry_run(a.recipe, cfg, world, a.gpu_gib, a.gpus_per_node, a.nodes)
@@ -61,8 +61,8 @@ def main(argv=None) -> int:
     trainer = Trainer(cfg, groups)
     stop = None
     try:
-        from megatron_p3o.parallel import new_object_group
-        from megatron_p3o.preemption import GracefulStop
+        from megatron_p3o.runtime.parallel import new_object_group
+        from megatron_p3o.runtime.preemption import GracefulStop
 
         stop = GracefulStop(cfg.run.exit_signals, cfg.run.exit_after_minutes, trainer.run_dir,
                             new_object_group(), groups.rank == 0)  # fmt: skip
@@ -78,7 +78,7 @@ def start_groups(cfg):
     need the world size; shared by the trainer and ``megatron_p3o.probe``."""
     import torch.distributed as dist
 
-    from megatron_p3o.parallel import init_distributed, initialize
+    from megatron_p3o.runtime.parallel import init_distributed, initialize
 
     if cfg.parallel.tp > 1:  # Megatron's TP comm/compute overlap needs one CUDA queue
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -91,7 +91,7 @@ def _finished(cfg) -> bool:
     """A finished run says so and builds nothing (no model, no servers, no new eval rows)."""
     from pathlib import Path
 
-    from megatron_p3o.checkpoint import finished_checkpoint
+    from megatron_p3o.checkpoint.state import finished_checkpoint
 
     run = Path(cfg.run.dir) / cfg.run.name
     done = finished_checkpoint(run, cfg.steps, bool(cfg.data.eval_path))
@@ -102,9 +102,10 @@ def _finished(cfg) -> bool:
 
 
 def _stopped(trainer, con, reason: str) -> int:
-    """A graceful stop (megatron_p3o.preemption): a checkpoint of this step, then exit 75."""
-    from megatron_p3o.checkpoint import latest_checkpoint
-    from megatron_p3o.preemption import EXIT_PREEMPTED
+    """A graceful stop (megatron_p3o.runtime.preemption): a checkpoint of this step, then exit
+    75."""
+    from megatron_p3o.checkpoint.state import latest_checkpoint
+    from megatron_p3o.runtime.preemption import EXIT_PREEMPTED
 
     ckpt = latest_checkpoint(trainer.run_dir)
     if trainer.step_idx and (ckpt is None or ckpt.name != f"step_{trainer.step_idx:06d}"):
@@ -119,9 +120,9 @@ def _train(cfg, trainer, con, stop) -> int:
 
     from rich.progress import Progress
 
-    from megatron_p3o.checkpoint import latest_checkpoint
-    from megatron_p3o.console import accuracy_table, eval_line, step_line
-    from megatron_p3o.evaluation import sets_due
+    from megatron_p3o.checkpoint.state import latest_checkpoint
+    from megatron_p3o.evaluation.heldout import sets_due
+    from megatron_p3o.observability.console import accuracy_table, eval_line, step_line
 
     reason = stop.agreed()
     if reason is not None:  # e.g. the batch script's STOP file: torchrun restarted us after it
@@ -160,6 +161,6 @@ def _train(cfg, trainer, con, stop) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "megatron_p3o.train")

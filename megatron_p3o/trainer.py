@@ -17,33 +17,39 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .advantage import group_advantages
-from .batching import MicroBatcher
-from .checkpoint import (
+from megatron_p3o.advantage.estimators import group_advantages
+from megatron_p3o.checkpoint.state import (
     load_model_state,
     load_training_checkpoint,
     resumable_checkpoint,
     save_training_checkpoint,
 )
-from .config import ConfigError, TrainConfig, to_dict
-from .hf.dist_stream import P3O_META_FILE, meta_dict, read_meta
-from .loss import build_objective
-from .metrics import PhaseTimer, combine_optimizer_steps, staleness
-from .model.builder import BuildOptions, build_model
-from .optim import UpdateSize, build_optimizer, build_scheduler, wrap_ddp, zero_grads
-from .parallel import ParallelGroups
-from .policy_update import PolicyUpdate
-from .reference import ReferenceModel
-from .replay import ReplayBuffer, TrajectoryFIFO
-from .reward import build_reward, score_samples
-from .reward.overlong import dapo_overlong_reward
-from .rollout.backend import build_backend
-from .rollout.config import RolloutShard
-from .rollout.engine import check_behavior_semantics
-from .rollout.prompts import PromptData, all_rows, remap_states
-from .run_log import RunLog
-from .types import SamplingParams, TrainBatch
-from .weight_sync.source import TrainerWeights
+from megatron_p3o.config.train_config import ConfigError, TrainConfig, to_dict
+from megatron_p3o.logprob.reference import ReferenceModel
+from megatron_p3o.loss import build_objective
+from megatron_p3o.model.builder import BuildOptions, build_model
+from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, meta_dict, read_meta
+from megatron_p3o.observability.metrics import PhaseTimer, combine_optimizer_steps, staleness
+from megatron_p3o.observability.run_log import RunLog
+from megatron_p3o.reward import build_reward, score_samples
+from megatron_p3o.reward.overlong import dapo_overlong_reward
+from megatron_p3o.rollout.backend import build_backend
+from megatron_p3o.rollout.config import RolloutShard
+from megatron_p3o.rollout.engine import check_behavior_semantics
+from megatron_p3o.rollout.prompts import PromptData, all_rows, remap_states
+from megatron_p3o.rollout.replay import ReplayBuffer, TrajectoryFIFO
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.types import SamplingParams, TrainBatch
+from megatron_p3o.update.batching import MicroBatcher
+from megatron_p3o.update.optim import (
+    UpdateSize,
+    build_optimizer,
+    build_scheduler,
+    wrap_ddp,
+    zero_grads,
+)
+from megatron_p3o.update.policy_update import PolicyUpdate
+from megatron_p3o.weight_sync.source import TrainerWeights
 
 CONFIG_FILE = "config.json"  # in each checkpoint: the recipe it was trained with
 _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -63,7 +69,7 @@ class Trainer:
     def _build(self, cfg: TrainConfig, groups: ParallelGroups) -> None:
         """Model and optimizer → objective and update → data, reward, replay → run directory
         and resume → rollout backend (last: it may launch servers)."""
-        from .hf.safetensors_io import load_tokenizer
+        from megatron_p3o.model.hf.safetensors_io import load_tokenizer
 
         ckpt = Path(cfg.model.checkpoint)
         self._build_model(cfg, groups, ckpt)
@@ -76,7 +82,7 @@ class Trainer:
         )
         self.r2po = None
         if cfg.r2po.enabled:  # the residual rollout head on the last stage, and its phase
-            from .r2po import R2PO
+            from megatron_p3o.update.r2po import R2PO
 
             self.r2po = R2PO(cfg.r2po, self)
         self.batcher = MicroBatcher(
@@ -174,7 +180,7 @@ class Trainer:
         (one line, every key with both values) unless ``run.allow_config_change``."""
         import json
 
-        from .config import config_changes
+        from megatron_p3o.config.train_config import config_changes
 
         saved = self.resumed_from / CONFIG_FILE
         if not saved.is_file():  # written before checkpoints kept their recipe
@@ -311,7 +317,7 @@ class Trainer:
         this batch's forwards (all ranks)."""
         if not self.desc.is_moe:
             return {}
-        from .model.routing import agreement
+        from megatron_p3o.model.routing import agreement
 
         hooks = [h for c in self.chunks for h in getattr(c, "route_hooks", [])]
         return agreement(hooks, self.desc.num_layers, self.groups.device)
@@ -432,10 +438,10 @@ class Trainer:
         self.log.log(self.step_idx, {"eval/heldout_accuracy": acc}, jsonl="eval.jsonl")
         return acc, per_prompt
 
-    # -- evaluation sets (megatron_p3o.evaluation) -----------------------------------------------
+    # -- evaluation sets (megatron_p3o.evaluation.heldout) -----------------------------------------
     def eval_rows(self, name: str, cfg) -> list:
         """The set's (prompt ids, answer) rows, read once."""
-        from .evaluation import load_set
+        from megatron_p3o.evaluation.heldout import load_set
 
         if name not in self._eval_sets:
             self._eval_sets[name] = load_set(cfg, self.tok, self.cfg.data.chat_template, name)
@@ -460,7 +466,7 @@ class Trainer:
 
     def evaluate_sets(self) -> Dict[str, float]:
         """Every ``eval.sets`` entry: pass@k, mean pass@1, greedy accuracy (all ranks); logged."""
-        from .evaluation import evaluate_sets
+        from megatron_p3o.evaluation.heldout import evaluate_sets
 
         metrics = evaluate_sets(self, self.cfg.eval)
         self.log.log(self.step_idx, metrics, jsonl="eval.jsonl")
@@ -508,7 +514,7 @@ class Trainer:
         vocabulary does not depend on TP: :func:`model.builder.padded_vocab_size`), so that
         ``checkpoints_convert.megatron_to_hf`` and ``verify`` read a trained checkpoint as they
         read a converted one, and a recipe can start from it (``model.checkpoint``)."""
-        from .model.builder import padded_vocab_size
+        from megatron_p3o.model.builder import padded_vocab_size
 
         div = self.build_opts.make_vocab_size_divisible_by
         vpad = padded_vocab_size(self.desc.vocab_size, self.groups.layout.tp, div)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import UserError
-from .terms import masked_log_ratio
+from megatron_p3o.loss.terms import masked_log_ratio
+from megatron_p3o.runtime.errors import UserError
 
 
 class NonFiniteLogprobError(UserError, ValueError):

@@ -19,20 +19,20 @@ from typing import Any, Callable, Dict, Literal, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..metrics import StepMetrics
-from .cispo import CISPOConfig, cispo_terms
-from .decoupled_ppo import DecoupledPPOConfig, decoupled_ppo_terms
-from .diagnostics import add_mismatch_metrics, finalize_mismatch
-from .ess import check_finite, ess_from_stats, ess_stats
-from .gspo import GSPOConfig, gspo_terms
-from .m2po import M2POConfig, m2_cut, m2_values, m2po_terms
-from .oapl import OAPLConfig, oapl_advantages, oapl_terms
-from .p3o import P3OConfig, p3o_terms
-from .p4o import P4OConfig, p4o_terms
-from .ppo import ClipConfig, clip_terms
-from .reinforce import ReinforceConfig, reinforce_terms
-from .reval import ReValConfig, reval_rewards, reval_terms
-from .terms import LossInputs, StepStats
+from megatron_p3o.loss.cispo import CISPOConfig, cispo_terms
+from megatron_p3o.loss.decoupled_ppo import DecoupledPPOConfig, decoupled_ppo_terms
+from megatron_p3o.loss.diagnostics import add_mismatch_metrics, finalize_mismatch
+from megatron_p3o.loss.ess import check_finite, ess_from_stats, ess_stats
+from megatron_p3o.loss.gspo import GSPOConfig, gspo_terms
+from megatron_p3o.loss.m2po import M2POConfig, m2_cut, m2_values, m2po_terms
+from megatron_p3o.loss.oapl import OAPLConfig, oapl_advantages, oapl_terms
+from megatron_p3o.loss.p3o import P3OConfig, p3o_terms
+from megatron_p3o.loss.p4o import P4OConfig, p4o_terms
+from megatron_p3o.loss.ppo import ClipConfig, clip_terms
+from megatron_p3o.loss.reinforce import ReinforceConfig, reinforce_terms
+from megatron_p3o.loss.reval import ReValConfig, reval_rewards, reval_terms
+from megatron_p3o.loss.terms import LossInputs, StepStats
+from megatron_p3o.observability.metrics import StepMetrics
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from .packed import cp_chunk_positions
+from megatron_p3o.model.packed import cp_chunk_positions
 
 PACK_WINDOW = 128  # tokens per block-diagonal SDPA call of the packed path (see module docstring)
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..loss.fused_logprob import SumGradOverTP
-from ..parallel import LayoutError, ParallelGroups
+from megatron_p3o.logprob.fused import SumGradOverTP
+from megatron_p3o.runtime.parallel import LayoutError, ParallelGroups
 
 HF_W1, HF_W2 = "rollout_head.w1.weight", "rollout_head.w2.weight"
 
@@ -204,7 +204,7 @@ class RolloutHead:
 
     def load(self, ckpt, adam_step: int) -> None:
         """Restore the head (and its Adam moments when it had stepped) from a checkpoint."""
-        from ..checkpoint import load_sharded
+        from megatron_p3o.checkpoint.state import load_sharded
 
         if not self.on_stage:
             return

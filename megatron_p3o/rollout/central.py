@@ -26,9 +26,9 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..parallel import ParallelGroups
-from ..types import Sample, SamplingParams
-from .engine import Bucket, RolloutEngine
+from megatron_p3o.rollout.engine import Bucket, RolloutEngine
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.types import Sample, SamplingParams
 
 COLOCATED_BUCKET_BYTES = 256 * 2**20  # per colocated push bucket (plan.py counts two of them)
 
@@ -131,15 +131,19 @@ class CentralEngine(RolloutEngine):
         inside one weight-update session, with the server's weights resumed before and every
         other region it released (KV cache, CUDA graphs) after. ``fp8``: block-FP8 weights plus
         scales (:func:`~megatron_p3o.weight_sync.fp8.quantize_named`)."""
-        from ..weight_sync.colocated import iter_colocated_buckets
-        from ..weight_sync.ipc import payload_ranks, serialize_named_tensors
-        from .sglang.protocol import RESUME_AFTER_PUSH, RESUME_BEFORE_PUSH, with_last
+        from megatron_p3o.rollout.sglang.protocol import (
+            RESUME_AFTER_PUSH,
+            RESUME_BEFORE_PUSH,
+            with_last,
+        )
+        from megatron_p3o.weight_sync.colocated import iter_colocated_buckets
+        from megatron_p3o.weight_sync.ipc import payload_ranks, serialize_named_tensors
 
         g = self.groups
         ranks = payload_ranks(server_tp, g.world_size)
         transform = None
         if fp8:
-            from ..weight_sync.fp8 import quantize_named
+            from megatron_p3o.weight_sync.fp8 import quantize_named
 
             def transform(named):
                 return list(quantize_named(named))
@@ -170,7 +174,7 @@ class CentralEngine(RolloutEngine):
 
     def _push_from_disk(self, buckets: Iterable[Bucket], version: int) -> None:
         """Write an HF safetensors directory (atomically) and ask the server to load it."""
-        from ..hf.safetensors_io import HFShardedWriter, atomic_dir
+        from megatron_p3o.model.hf.safetensors_io import HFShardedWriter, atomic_dir
 
         out = Path(self.sync_dir) / f"v{version:06d}"
         if not out.exists():

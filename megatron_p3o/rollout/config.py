@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Literal, Optional
 
-from ..types import SamplingParams
-from .sglang import SGLangConfig
+from megatron_p3o.rollout.sglang import SGLangConfig
+from megatron_p3o.types import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Literal, Tuple
 
 import torch
 
-from ..errors import CheckpointError, DataError, InputFileError
+from megatron_p3o.runtime.errors import CheckpointError, DataError, InputFileError
 
 
 @dataclass(frozen=True)

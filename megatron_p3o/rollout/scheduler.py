@@ -44,11 +44,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import UserError
-from ..types import Group, Sample, SamplingParams
-from .config import RolloutConfig, RolloutShard
-from .engine import RolloutEngine
-from .prompts import PromptData, PromptItem
+from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
+from megatron_p3o.rollout.engine import RolloutEngine
+from megatron_p3o.rollout.prompts import PromptData, PromptItem
+from megatron_p3o.runtime.errors import UserError
+from megatron_p3o.types import Group, Sample, SamplingParams
 
 ScoreFn = Callable[[Sequence[Sample], Sequence[str]], List[float]]
 NamedTensors = List[Tuple[str, torch.Tensor]]
@@ -280,7 +280,7 @@ class RolloutScheduler:
 
     def ensure_weights(self, pub: Publication) -> None:
         """Load ``pub``'s weights into the engine unless it already holds that version."""
-        from ..weight_sync import iter_hf_buckets
+        from megatron_p3o.weight_sync import iter_hf_buckets
 
         with self.engine_lock:
             # WeightsPushed: the backend pushed them to its server itself

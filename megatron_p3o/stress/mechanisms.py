@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Sequence, Tuple
 
-from .grid import GridConfig
-from .stats import mean_sd
+from megatron_p3o.stress.grid import GridConfig
+from megatron_p3o.stress.stats import mean_sd
 
 # (column, cell key, format); the cell keys come from stress.runner.summarize
 COLUMNS = (

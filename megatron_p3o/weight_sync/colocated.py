@@ -25,8 +25,8 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .export import is_expert, iter_hf_tensors
-from .stream import _ep_peer_of_first_replica
+from megatron_p3o.weight_sync.export import is_expert, iter_hf_tensors
+from megatron_p3o.weight_sync.stream import _ep_peer_of_first_replica
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
 

@@ -3,7 +3,7 @@
 Why: the rollout engine (SGLang or the embedded one) holds an HF-layout model; after each
 optimizer step (or every L steps) the trainer pushes its weights there. TP shards are gathered
 over the TP group; each pipeline stage yields only its own layers (global layer numbers), so the
-stages can push in parallel. Names, fusions and padding follow :mod:`megatron_p3o.hf.mapping`,
+stages can push in parallel. Names, fusions and padding follow :mod:`megatron_p3o.model.hf.mapping`,
 the same table the checkpoint converters use.
 """
 
@@ -15,9 +15,15 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..hf.mapping import TensorMap, canonical_name, parse_moe_hf_name, tensor_maps, to_hf
-from ..model.description import ModelDescription
-from ..parallel import ParallelGroups
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.model.hf.mapping import (
+    TensorMap,
+    canonical_name,
+    parse_moe_hf_name,
+    tensor_maps,
+    to_hf,
+)
+from megatron_p3o.runtime.parallel import ParallelGroups
 
 _LOCAL_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
 

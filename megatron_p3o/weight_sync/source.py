@@ -12,9 +12,9 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..model.description import ModelDescription
-from ..parallel import ParallelGroups
-from .export import is_expert, iter_hf_tensors
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.weight_sync.export import is_expert, iter_hf_tensors
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
 
@@ -55,7 +55,7 @@ class TrainerWeights:
     def to_rank0(self, bucket_bytes: Optional[int] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """Every HF tensor, streamed stage by stage to global rank 0 (all ranks iterate); later
         stages send ``bucket_bytes`` at a time, when rank 0 asks for them."""
-        from .stream import STREAM_BUCKET_BYTES, iter_hf_tensors_to_rank0
+        from megatron_p3o.weight_sync.stream import STREAM_BUCKET_BYTES, iter_hf_tensors_to_rank0
 
         return iter_hf_tensors_to_rank0(
             self.chunks, self.groups, self.desc, bucket_bytes or STREAM_BUCKET_BYTES

@@ -23,9 +23,9 @@ from typing import Iterator, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..model.description import ModelDescription
-from ..parallel import ParallelGroups
-from .export import is_expert, iter_hf_tensors
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.weight_sync.export import is_expert, iter_hf_tensors
 
 STREAM_BUCKET_BYTES = 256 * 2**20  # a later stage's bytes per request of rank 0
 _NEXT, _END = "next", None

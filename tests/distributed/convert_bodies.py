@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_p3o.checkpoint import load_model_state, save_model_state
-from megatron_p3o.hf.dist_stream import P3O_META_FILE, read_meta
+from megatron_p3o.checkpoint.state import load_model_state, save_model_state
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.forward import forward_backward, next_token_targets
+from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, read_meta
 
 SEQ = 16
 
@@ -210,7 +210,7 @@ def live_export(groups, ckpt: str):
 def convert_failing_midway(groups, hf_dir: str, out: str, fail_at: int = 6):
     """Reading fails at the ``fail_at``-th tensor, after chunks were written: the error
     propagates and nothing is left behind."""
-    from megatron_p3o.hf import safetensors_io
+    from megatron_p3o.model.hf import safetensors_io
 
     orig = safetensors_io.HFCheckpointReader.get
     calls = {"n": 0}
@@ -242,8 +242,8 @@ def te_shaped_load(groups, ckpt: str):
     checkpoint, which has none; a model needing a tensor the checkpoint lacks is refused."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from megatron_p3o.checkpoint import load_into, load_sharded, sharded_model_state
-    from megatron_p3o.errors import CheckpointError
+    from megatron_p3o.checkpoint.state import load_into, load_sharded, sharded_model_state
+    from megatron_p3o.runtime.errors import CheckpointError
 
     meta = read_meta(ckpt)
     opts = BuildOptions(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import convert_bodies as cb
 
@@ -195,8 +195,8 @@ def test_missing_shard_file_is_named(converted, tmp_path):
 
 def test_wrong_architecture_and_shape_mismatch(converted, tmp_path):
     from checkpoints_convert.hf_to_megatron import convert
-    from megatron_p3o.hf.mapping import MappingError
     from megatron_p3o.model.description import UnsupportedModelError
+    from megatron_p3o.model.hf.mapping import MappingError
 
     hf_dir, _, _ = converted("llama")
     gpt2 = tmp_path / "gpt2"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_p3o.model.packed import cp_chunk_positions
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import bodies
 

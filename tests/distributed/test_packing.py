@@ -4,7 +4,7 @@ per-sequence reference, in every layout; no token sees another sequence."""
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import packing_bodies as pb
 

@@ -97,7 +97,7 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.e2e
 def test_kill_during_checkpoint_write_keeps_previous(base, tmp_path):
-    from megatron_p3o.checkpoint import latest_checkpoint
+    from megatron_p3o.checkpoint.state import latest_checkpoint
 
     r = _train(base, tmp_path, "crash", 6, code=CRASH)
     assert r.returncode == 9, r.stderr[-2000:]
@@ -225,7 +225,7 @@ def test_resuming_with_another_recipe_is_refused_unless_allowed(base, tmp_path):
 FULL_DISK = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), no kill
-import megatron_p3o.checkpoint as ck
+import megatron_p3o.checkpoint.state as ck
 orig, calls = ck.save_model_state, {"n": 0}
 def limited(*a, **k):
     calls["n"] += 1
@@ -234,7 +234,7 @@ def limited(*a, **k):
     return orig(*a, **k)
 ck.save_model_state = limited
 from megatron_p3o.train import main
-from megatron_p3o.errors import run_cli
+from megatron_p3o.runtime.errors import run_cli
 run_cli(main, "megatron_p3o.train")
 """
 
@@ -245,8 +245,8 @@ def test_a_save_that_fails_keeps_the_previous_checkpoint(base, tmp_path):
     filesystem: every write past it fails with an OS error, as on a full disk) stops the run
     with one line naming the directory and the bytes needed; the partial directory is removed,
     the previous checkpoint and ``latest`` are intact and the same command resumes from them."""
-    from megatron_p3o.checkpoint import LATEST
-    from megatron_p3o.manifest import check
+    from megatron_p3o.checkpoint.manifest import check
+    from megatron_p3o.checkpoint.state import LATEST
 
     r = _train(base, tmp_path, "full", 4, code=FULL_DISK)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 import torch
 
-from megatron_p3o.ports import free_port
 from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
+from megatron_p3o.runtime.ports import free_port
 
 from .conftest import kill_launched, log_tail
 

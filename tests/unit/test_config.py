@@ -2,8 +2,8 @@ import re
 
 import pytest
 
-from megatron_p3o.config import ConfigError, TrainConfig, load_config
-from megatron_p3o.errors import UserError
+from megatron_p3o.config.train_config import ConfigError, TrainConfig, load_config
+from megatron_p3o.runtime.errors import UserError
 
 
 def _write(tmp_path, text):
@@ -178,7 +178,7 @@ _BAD = {  # a value outside each rule of config.RANGES
 
 
 def _ranges():
-    from megatron_p3o.config import RANGES
+    from megatron_p3o.config.train_config import RANGES
 
     return RANGES
 
@@ -192,7 +192,7 @@ def test_every_range_is_checked_at_load_with_its_key(path, rule):
 
 
 def test_the_defaults_are_in_range():
-    from megatron_p3o.config import check_ranges
+    from megatron_p3o.config.train_config import check_ranges
 
     check_ranges(TrainConfig())
 
@@ -219,7 +219,7 @@ def test_range_messages(sets, needle):
 def test_validate_checks_ranges_of_a_config_built_in_code():
     from dataclasses import replace
 
-    from megatron_p3o.optim import OptimConfig
+    from megatron_p3o.update.optim import OptimConfig
 
     with pytest.raises(ConfigError, match=r"optim.lr=-1.0 must be > 0"):
         replace(TrainConfig(), optim=OptimConfig(lr=-1.0)).validate(1)

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from megatron_p3o.advantage import rarity_advantages
+from megatron_p3o.advantage.estimators import rarity_advantages
 from megatron_p3o.loss import policy_loss, vocab_parallel_logprobs
-from megatron_p3o.r2po import R2POConfig
-from megatron_p3o.replay import ReplayConfig, TrajectoryFIFO
+from megatron_p3o.rollout.replay import ReplayConfig, TrajectoryFIFO
 from megatron_p3o.types import Sample
+from megatron_p3o.update.r2po import R2POConfig
 
 B, T = 5, 6
 

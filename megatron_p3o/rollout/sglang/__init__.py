@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .client import ClientSettings, SGLangEngine
-from .fleet import FleetSettings, SGLangFleet, build_fleet
-from .launch import API_KEY_ENV, PYTHON_ENV, LaunchSettings, SGLangSetupError
-from .protocol import EngineResponseError, EngineUnavailableError
-from .weights import WeightSettings
+from megatron_p3o.rollout.sglang.client import ClientSettings, SGLangEngine
+from megatron_p3o.rollout.sglang.fleet import FleetSettings, SGLangFleet, build_fleet
+from megatron_p3o.rollout.sglang.launch import (
+    API_KEY_ENV,
+    PYTHON_ENV,
+    LaunchSettings,
+    SGLangSetupError,
+)
+from megatron_p3o.rollout.sglang.protocol import EngineResponseError, EngineUnavailableError
+from megatron_p3o.rollout.sglang.weights import WeightSettings
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ CP rank computes the same loss of *whole* sequences. Objectives nonlinear in a s
 (GSPO, OAPL) and the ℓold recompute therefore work at any CP, and the loss side reduces over DP
 only.
 
-Micro-batches come from :mod:`megatron_p3o.batching` (padded or packed): ``tokens``, ``targets``
+Micro-batches come from :mod:`megatron_p3o.update.batching` (padded or packed): ``tokens``,
+``targets``
 and a nested ``response`` dict of ``[n, L]`` completion-token tensors (``mask``,
 ``behavior_logprobs``, ``advantages``, ``index``, ``sample_index``, optionally
 ``old_logprobs`` / ``ref_logprobs``). Flat padded micro-batches (``loss_mask``,
@@ -40,15 +41,15 @@ own advantages (OAPL's A*) deliver them in ``advantages`` from the advantage sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .batching import nest_response
-from .loss.diagnostics import add_mismatch_metrics, finalize_mismatch
-from .loss.ess import (
+from megatron_p3o.logprob.scoring import response_logprobs, score_responses
+from megatron_p3o.loss.config import LossConfig
+from megatron_p3o.loss.diagnostics import add_mismatch_metrics, finalize_mismatch
+from megatron_p3o.loss.ess import (
     EmptyStepError,
     FiniteWatch,
     NonFiniteLogprobError,
@@ -58,133 +59,12 @@ from .loss.ess import (
     ess_stats,
     ess_tensor,
 )
-from .loss.fused_logprob import OutputLayerInput, fused_vocab_parallel_logprobs
-from .loss.logprob import vocab_parallel_logprobs
-from .loss.m2po import m2_cut, m2_values, m2po_microbatch_keep
-from .loss.registry import Objective
-from .loss.terms import LossInputs, StepStats
-from .metrics import StepMetrics
-from .model.forward import MicroBatch, forward_backward
-from .model.packed import gather_response, gather_tokens
-from .parallel import ParallelGroups
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Attributes:
-    objective: one of ``megatron_p3o.loss.OBJECTIVES`` (p3o by default).
-    hyper: the objective's hyper-parameters (checked against its dataclass).
-    ess_scope: "step" (exact, one extra no-grad forward) or "microbatch" (FeynRL).
-    nonfinite: "error" (default) or "mask" (drop and count) for NaN/inf log-probs.
-    logprob_chunk: tokens per block in the log-prob kernel (None = automatic).
-    log_entropy: compute the policy entropy for metrics (one more reduction).
-    prepass_fuse: micro-batches concatenated into one no-grad forward of the ESS pre-pass
-        (fewer, larger forwards; costs k micro-batches' logits at once, no activations).
-    old_logprobs: for the objectives that clip a ratio to πold (PPO, GRPO, DAPO, GSPO, CISPO):
-        "recompute" ℓold with the weights before the rollout batch's first update (standard
-        semantics) or use the engine's ℓb ("behaviour", the bypass).
-    """
-
-    objective: str = "p3o"
-    hyper: Dict[str, Any] = field(default_factory=dict)
-    ess_scope: Literal["step", "microbatch"] = "step"
-    nonfinite: Literal["error", "mask"] = "error"
-    logprob_chunk: Optional[int] = None
-    log_entropy: bool = True
-    prepass_fuse: int = 4
-    old_logprobs: Literal["recompute", "behaviour"] = "recompute"
-
-    def __post_init__(self):
-        if self.prepass_fuse < 1:
-            raise ValueError(f"loss.prepass_fuse={self.prepass_fuse} must be >= 1")
-        if self.logprob_chunk is not None and self.logprob_chunk < 1:
-            raise ValueError(f"loss.logprob_chunk={self.logprob_chunk} must be >= 1")
-
-
-def response_logprobs(
-    batch: MicroBatch,
-    logits,
-    groups: ParallelGroups,
-    temperature: float,
-    vocab_size: int,
-    chunk: Optional[int] = None,
-    *,
-    with_entropy: bool = False,
-    with_value: bool = False,
-    inplace: bool = False,
-):
-    """``(ℓ [n, L], entropy [n, L] or None, value [n] or None)`` of each sequence's completion
-    tokens at temperature T, for the policy and the reference model alike.
-
-    The kernel scores this rank's tokens (its TP vocabulary shard, its CP chunks); under CP the
-    per-token values are gathered so that every CP rank holds whole sequences, then the
-    completion tokens are picked out of the padded or packed grid (``response.index``).
-    ``with_value``: V(s₁) = log Σ_v exp(z_v / T) at the position that predicts each sequence's
-    first completion token (ReVal's soft value; the kernel's own log-partition).
-
-    ``logits``: ``[b, s/cp, V/tp]``, or on the fused path (``model.fused_logprob``) the
-    :class:`~megatron_p3o.loss.fused_logprob.OutputLayerInput` the last stage handed over: the
-    same values from the hidden states and the output weight, chunk by chunk (``inplace`` is
-    then moot: no logits exist)."""
-    common = dict(
-        temperature=temperature, chunk_size=chunk, vocab_size=vocab_size,
-        with_entropy=with_entropy, with_lse=with_value,
-    )  # fmt: skip
-    if isinstance(logits, OutputLayerInput):
-        out = fused_vocab_parallel_logprobs(
-            logits.hidden, logits.weight, batch["targets"], groups.tp, extra=logits.extra,
-            **common,
-        )  # fmt: skip
-    else:
-        out = vocab_parallel_logprobs(
-            logits, batch["targets"], groups.tp, inplace_backward=inplace, **common
-        )
-    lp, ent = out[0], out[1]
-    resp = batch["response"]
-    index = batch.get("cp_token_index")
-    cp = groups.cp if index is not None else None
-    numel = index.numel() if index is not None else lp.numel()
-
-    def whole(x):
-        return gather_response(gather_tokens(x, index, numel, cp), resp["index"], resp["mask"])
-
-    value = whole(out[2])[:, 0] if with_value else None
-    return whole(lp), (whole(ent) if ent is not None else None), value
-
-
-def score_responses(
-    chunks,
-    groups: ParallelGroups,
-    microbatches: List[MicroBatch],
-    key: str,
-    temperature: float,
-    vocab_size: int,
-    chunk: Optional[int] = None,
-    value_key: Optional[str] = None,
-) -> None:
-    """A no-grad forward of ``chunks`` over every micro-batch; ``response[key]`` = ℓ ``[n, L]``
-    (zero off the mask) and, with ``value_key``, ``response[value_key]`` = V(s₁) ``[n]``,
-    written on the last pipeline stage (ℓold of the policy, ℓref / V_ref of the reference)."""
-    for mb in microbatches:
-        nest_response(mb)
-    out: List[tuple] = []
-
-    def loss_fn(batch, logits):
-        lp, _, value = response_logprobs(
-            batch, logits, groups, temperature, vocab_size, chunk, with_value=bool(value_key)
-        )
-        out.append((lp.float() * batch["response"]["mask"].to(torch.float32), value))
-        return torch.zeros((), device=logits.device), 0, {}
-
-    with torch.no_grad():
-        forward_backward(chunks, groups, microbatches, loss_fn, forward_only=True)
-    if groups.is_last_stage():
-        for mb, (lp, value) in zip(microbatches, out):
-            dev = mb["response"]["mask"].device
-            mb["response"][key] = lp.to(dev)
-            if value_key:
-                mb["response"][value_key] = value.float().to(dev)
-
+from megatron_p3o.loss.m2po import m2_cut, m2_values, m2po_microbatch_keep
+from megatron_p3o.loss.registry import Objective
+from megatron_p3o.loss.terms import LossInputs, StepStats
+from megatron_p3o.model.forward import MicroBatch, forward_backward, nest_response
+from megatron_p3o.observability.metrics import StepMetrics
+from megatron_p3o.runtime.parallel import ParallelGroups
 
 # the step's count of non-finite ℓθ travels with its metrics (one reduction), never logged
 _NONFINITE = "_nonfinite_logprobs"

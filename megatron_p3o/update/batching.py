@@ -10,7 +10,7 @@ same response tensors serve a padded, a packed and a context-parallel forward.
 
 Packed micro-batches (``batch.max_tokens_per_gpu``): each optimizer step's samples are first
 balanced over DP ranks by tokens, then split into the fewest micro-batches that fit the token
-budget, as even as possible (:mod:`megatron_p3o.balance`). Each sequence is padded to a
+budget, as even as possible (:mod:`megatron_p3o.update.balance`). Each sequence is padded to a
 multiple of 2·cp (context parallelism cuts it into 2·cp chunks), each micro-batch to a multiple
 of cp·tp (sequence parallelism) — times 16 under FP8 training (:func:`token_multiple`) — and,
 under pipeline parallelism, to the step's longest
@@ -27,13 +27,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .balance import agree_on_count, balance_over_dp, imbalance, pack_by_budget
-from .errors import DataError
-from .model.forward import MicroBatch
-from .parallel import ParallelGroups
-from .types import Sample
-
-RESPONSE_KEYS = ("behavior_logprobs", "advantages", "old_logprobs", "ref_logprobs")
+from megatron_p3o.model.forward import MicroBatch
+from megatron_p3o.runtime.errors import DataError
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.types import Sample
+from megatron_p3o.update.balance import agree_on_count, balance_over_dp, imbalance, pack_by_budget
 
 
 @dataclass(frozen=True)
@@ -234,21 +232,6 @@ def packed_microbatch(
         "response": _response(samples, advantages, starts[: len(samples)], ids, mask_truncated),
     }
     return _with_routes(mb, samples, starts[: len(samples)], route_mode)
-
-
-def nest_response(mb: MicroBatch) -> MicroBatch:
-    """A flat padded micro-batch (``loss_mask``, ``behavior_logprobs``, ``advantages`` … as
-    ``[b, s]`` tensors aligned with ``targets``) in the nested form, in place; the response
-    tensors then span every position of each row."""
-    if "response" in mb:
-        return mb
-    b, s = mb["tokens"].shape
-    resp = {"mask": mb.pop("loss_mask").float(), "index": torch.arange(b * s).reshape(b, s)}  # host
-    for k in RESPONSE_KEYS + ("sample_index",):
-        if k in mb:
-            resp[k] = mb.pop(k)
-    mb["response"] = resp
-    return mb
 
 
 def real_tokens(samples: Sequence[Sample]) -> int:

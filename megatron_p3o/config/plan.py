@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from .config import ConfigError, TrainConfig
-from .model.builder import padded_vocab_size
-from .model.description import ModelDescription
+from megatron_p3o.config.train_config import ConfigError, TrainConfig
+from megatron_p3o.model.builder import padded_vocab_size
+from megatron_p3o.model.description import ModelDescription
 
 GiB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -48,7 +48,7 @@ def describe_model(cfg: TrainConfig) -> Tuple[ModelDescription, int]:
     else from ``model.hf_config``."""
     ckpt = Path(cfg.model.checkpoint)
     if cfg.model.checkpoint and (ckpt / "p3o_model.json").is_file():
-        from .hf.dist_stream import read_meta
+        from megatron_p3o.model.hf.dist_stream import read_meta
 
         meta = read_meta(ckpt)
         return meta["description"], int(meta["make_vocab_size_divisible_by"])
@@ -109,7 +109,7 @@ def make_plan(
     p = cfg.parallel
     tp, pp, cp = p.tp, p.pp, p.cp
     dp = world_size // (tp * pp * cp)
-    from .parallel import LayoutError
+    from megatron_p3o.runtime.parallel import LayoutError
 
     try:
         p.layout().resolve(world_size).check_model(
@@ -174,7 +174,7 @@ def make_plan(
 
 
 def uses_reference(cfg: TrainConfig) -> bool:
-    from .loss import build_objective
+    from megatron_p3o.loss import build_objective
 
     on = cfg.reference.enabled
     if on is None:
@@ -230,8 +230,8 @@ def colocated_rollout_gib(cfg: TrainConfig, plan: Plan, gpu_gib: float) -> Dict[
     if r.engine != "sglang" or r.weight_sync != "colocated":
         return {}
     resident = sum(v for k, v in plan.gib.items() if k not in _TRANSIENT)
-    from .rollout.central import COLOCATED_BUCKET_BYTES
-    from .weight_sync.colocated import push_buffer_bytes
+    from megatron_p3o.rollout.central import COLOCATED_BUCKET_BYTES
+    from megatron_p3o.weight_sync.colocated import push_buffer_bytes
 
     desc, _ = describe_model(cfg)
     pb = _BYTES[cfg.model.params_dtype]

@@ -10,7 +10,8 @@ Engine's norm names (``linear_qkv.layer_norm_weight``), which is also what Megat
 dist-checkpoint keys use for the local layer spec. The pre-MLP norm is fused into ``linear_fc1``
 only in a dense layer (``mlp.linear_fc1.layer_norm_weight``); an MoE layer keeps it standalone
 (``pre_mlp_layernorm.weight``), as Transformer Engine's MoE spec does and as
-:func:`megatron_p3o.mcore_compat.layer_spec` makes the local MoE spec do, so one checkpoint loads
+:func:`megatron_p3o.runtime.mcore_compat.layer_spec` makes the local MoE spec do, so one checkpoint
+loads
 under either spec. Fused layouts (TP=1):
     linear_qkv  [g·(q/g + 2)·d, h]: per query group g: its q heads, then k_g, then v_g
     linear_fc1  [2·i, h]: gate rows, then up rows
@@ -26,8 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..errors import UserError
-from ..model.description import ModelDescription
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime.errors import UserError
 
 
 class MappingError(UserError, ValueError):

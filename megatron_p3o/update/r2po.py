@@ -9,7 +9,7 @@ trainer steps followed by ``policy_steps`` policy-phase ones:
 * **head phase** (trunk and lm_head frozen, W₁/W₂ train): PPO-clip on the mixed logits with
   r = exp(ℓμ − ℓμ,old) (ℓμ,old recomputed with the head before its update), clip ``head_clip``,
   plus ``head_kl_coef``·k3(μ_φ ‖ π_ref), with the rarity advantage
-  (:func:`~megatron_p3o.advantage.rarity_advantages`; all-equal groups skipped);
+  (:func:`~megatron_p3o.advantage.estimators.rarity_advantages`; all-equal groups skipped);
 * **policy phase** (head frozen): ``loss.objective`` on the base head — GRPO with ℓold
   recomputed from the base head (the authors' setting; ``loss.hyper.tis_cap`` adds their
   optional truncated weight min(π_old/μ, C)), or P3O, whose ratio is against the engine's μ.
@@ -26,13 +26,14 @@ from typing import Dict
 
 import torch
 
-from .advantage import rarity_advantages
-from .loss import build_objective
-from .loss.ess import EmptyStepError
-from .metrics import combine_optimizer_steps
-from .model.rollout_head import HeadOptimConfig, RolloutHead
-from .optim import zero_grads
-from .policy_update import LossConfig, PolicyUpdate
+from megatron_p3o.advantage.estimators import rarity_advantages
+from megatron_p3o.loss import build_objective
+from megatron_p3o.loss.config import LossConfig
+from megatron_p3o.loss.ess import EmptyStepError
+from megatron_p3o.model.rollout_head import HeadOptimConfig, RolloutHead
+from megatron_p3o.observability.metrics import combine_optimizer_steps
+from megatron_p3o.update.optim import zero_grads
+from megatron_p3o.update.policy_update import PolicyUpdate
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import InputFileError, OutputExistsError, UserError
-from ..model.description import ModelDescription
-from .mapping import MappingError, hf_shapes
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.model.hf.mapping import MappingError, hf_shapes
+from megatron_p3o.runtime.errors import InputFileError, OutputExistsError, UserError
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
 SINGLE_WEIGHTS = "model.safetensors"

@@ -20,12 +20,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .checkpoint import load_model_state, sharded_model_state
-from .model.builder import BuildOptions, build_model
-from .model.description import ModelDescription
-from .model.forward import MicroBatch
-from .parallel import ParallelGroups
-from .policy_update import score_responses
+from megatron_p3o.checkpoint.state import load_model_state, sharded_model_state
+from megatron_p3o.logprob.scoring import score_responses
+from megatron_p3o.model.builder import BuildOptions, build_model
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.model.forward import MicroBatch
+from megatron_p3o.runtime.parallel import ParallelGroups
 
 PREFIX = "reference."
 

@@ -5,7 +5,8 @@ a device at ~175 call sites, ``device="cuda"`` factory arguments, ``.cuda()`` ca
 states, ``torch.cuda.synchronize``). Our CI and developer machines have no GPU, yet every parallel
 layout (TP, PP, VPP, CP, DP, distributed optimizer, dist checkpointing) must be tested there. The
 shim below redirects those CUDA touches to the CPU. It is installed by
-:func:`megatron_p3o.parallel.initialize` **only when CUDA is unavailable**; on a GPU machine it is
+:func:`megatron_p3o.runtime.parallel.initialize` **only when CUDA is unavailable**; on a GPU
+machine it is
 never active, so nothing here can change cluster behaviour.
 
 What it patches (see ``shared/docs/megatron-on-cpu.md`` for the measurements behind each):

@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import DataError
+from megatron_p3o.runtime.errors import DataError
 
 PREFIX = "reasoning_gym:"
 # held-out problems come from a seed this far from the training seed: reasoning-gym seeds entry
@@ -54,7 +54,7 @@ def _answer_tag(text: str) -> Optional[str]:
 
 
 def _formats() -> Dict[str, TaskFormat]:
-    from . import chain_sum
+    from megatron_p3o.data.tasks import chain_sum
 
     return {
         "question": TaskFormat(lambda e: e["question"], _answer_tag),

@@ -16,9 +16,15 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointError
-from ..model.description import ModelDescription
-from .mapping import EXPERT_KEY, TensorMap, expert_canonical, split_layer, tensor_maps
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.model.hf.mapping import (
+    EXPERT_KEY,
+    TensorMap,
+    expert_canonical,
+    split_layer,
+    tensor_maps,
+)
+from megatron_p3o.runtime.errors import CheckpointError
 
 P3O_META_FILE = "p3o_model.json"  # the model description and vocab padding, next to the weights
 
@@ -59,7 +65,7 @@ def write_meta(
 
 def read_meta(ckpt_dir: str | Path) -> dict:
     if not Path(ckpt_dir).is_dir():  # a typo is not "not a checkpoint": say what it is
-        from ..errors import InputFileError
+        from megatron_p3o.runtime.errors import InputFileError
 
         what = "is a file, not a directory" if Path(ckpt_dir).exists() else "does not exist"
         raise InputFileError(f"checkpoint directory {ckpt_dir} {what}")
@@ -156,7 +162,7 @@ def _streaming_strategy(resolve):
 
 def build_meta_model(desc: ModelDescription, groups, dtype: torch.dtype, divisible_by: int):
     """The TP=1 GPTModel on the meta device: names and shapes, no memory."""
-    from ..model.builder import BuildOptions, build_model
+    from megatron_p3o.model.builder import BuildOptions, build_model
 
     opts = BuildOptions(
         params_dtype=dtype,
@@ -219,7 +225,7 @@ def read_checkpoint(
     meta = meta or read_meta(ckpt_dir)
     desc: ModelDescription = meta["description"]
     dtype = getattr(torch, meta["params_dtype"])
-    from .mapping import mcore_shape
+    from megatron_p3o.model.hf.mapping import mcore_shape
 
     groups: Dict[Optional[int], list] = {}
     for tm in tensor_maps(desc):

@@ -13,8 +13,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from . import mcore_compat
-from .parallel import ParallelGroups
+from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.runtime.parallel import ParallelGroups
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def optimizer_config(cfg: OptimConfig, params_dtype: torch.dtype):
 
     kwargs = {}
     if cfg.moments_dtype != "float32":
-        from .errors import UserError
+        from megatron_p3o.runtime.errors import UserError
 
         if not (torch.cuda.is_available() and mcore_compat.have_transformer_engine()):
             raise UserError(

@@ -9,7 +9,7 @@ a time, in one fp32 buffer (two when the entropy is asked for); the backward rec
 chunk's logits and accumulates dW and dh, so nothing of size T × V is kept between the passes.
 
 Maths (per token, shard of rank r, temperature T, padded vocabulary rows of W left out), the same
-as :mod:`~megatron_p3o.loss.logprob`'s, in the same floating-point steps:
+as :mod:`~megatron_p3o.logprob.kernels`'s, in the same floating-point steps:
     z = h·Wᵀ (+ Σ_i r_i·W_iᵀ, extra terms)     per chunk, fp32 (computed in W's dtype, then cast)
     m = max_v z/T (all-reduce MAX over TP, per chunk);   S = Σ_v exp(z/T − m) (all-reduce SUM)
     lse = m + log S;   ℓ(y) = z_y/T − lse;   H = log S − Σ_v e^{z/T−m}(z/T − m) / S   (float64)
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .logprob import _BLOCK_ELEMS, _row_blocks, _shard_bounds
+from megatron_p3o.logprob.kernels import _BLOCK_ELEMS, _row_blocks, _shard_bounds
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Literal, Optional
 
-from .errors import UserError, one_line
+from megatron_p3o.runtime.errors import UserError, one_line
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _step_of(line: str) -> float:
 def _wandb_hist(counts: List[float]):
     import wandb
 
-    from .metrics import COARSE_HIST_RANGE as r
+    from megatron_p3o.observability.metrics import COARSE_HIST_RANGE as r
 
     n = len(counts)  # metrics.jsonl's log_ratio_hist: n bins over log ρ ∈ [−r, r]
     edges = [-r + 2 * r * i / n for i in range(n + 1)]

@@ -19,22 +19,22 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import yaml
 
-from .advantage import AdvantageConfig
-from .batching import BatchConfig
-from .checkpoint import CheckpointConfig
-from .errors import InputFileError, UserError, one_line, read_user_text
-from .evaluation import EvalConfig
-from .model.builder import ModelConfig
-from .optim import OptimConfig
-from .parallel import ParallelConfig
-from .policy_update import LossConfig
-from .r2po import R2POConfig
-from .reference import ReferenceConfig
-from .replay import ReplayConfig
-from .reward.registry import RewardConfig
-from .rollout.config import RolloutConfig
-from .rollout.prompts import DataConfig
-from .run_log import WandbConfig, check_wandb
+from megatron_p3o.advantage.estimators import AdvantageConfig
+from megatron_p3o.checkpoint.state import CheckpointConfig
+from megatron_p3o.evaluation.heldout import EvalConfig
+from megatron_p3o.logprob.reference import ReferenceConfig
+from megatron_p3o.loss.config import LossConfig
+from megatron_p3o.model.builder import ModelConfig
+from megatron_p3o.observability.run_log import WandbConfig, check_wandb
+from megatron_p3o.reward.registry import RewardConfig
+from megatron_p3o.rollout.config import RolloutConfig
+from megatron_p3o.rollout.prompts import DataConfig
+from megatron_p3o.rollout.replay import ReplayConfig
+from megatron_p3o.runtime.errors import InputFileError, UserError, one_line, read_user_text
+from megatron_p3o.runtime.parallel import ParallelConfig
+from megatron_p3o.update.batching import BatchConfig
+from megatron_p3o.update.optim import OptimConfig
+from megatron_p3o.update.r2po import R2POConfig
 
 
 class ConfigError(UserError, ValueError):
@@ -48,7 +48,7 @@ class RunConfig:
     dir: where run directories live.
     seed: global seed (data order, sampling, init).
     exit_signals: signals that end the run after the current step with a checkpoint, exit
-        status 75 (:mod:`megatron_p3o.preemption`; a ``STOP`` file in the run directory does
+        status 75 (:mod:`megatron_p3o.runtime.preemption`; a ``STOP`` file in the run directory does
         the same).
     exit_after_minutes: the same after this much wall clock (None: no budget).
     allow_config_change: resume although training-relevant keys differ from the checkpoint's
@@ -98,8 +98,8 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> "TrainConfig":
         """Choices, ranges, layout and batch arithmetic; returns self."""
-        from .loss import build_objective
-        from .parallel import LayoutError
+        from megatron_p3o.loss import build_objective
+        from megatron_p3o.runtime.parallel import LayoutError
 
         check_ranges(self)  # also for a config built in code, not loaded from a recipe
         check_wandb(self.wandb)  # no login: refused now, not after the model is built
@@ -213,7 +213,7 @@ class TrainConfig:
     def _check_fp8_rows(self, lay) -> None:
         """FP8 training: padded micro-batches must give every rank a multiple of 16 token rows
         (packed ones are padded to it, see batching.token_multiple)."""
-        from .batching import token_multiple
+        from megatron_p3o.update.batching import token_multiple
 
         if not self.model.fp8 or self.batch.max_tokens_per_gpu is not None:
             return
@@ -263,8 +263,8 @@ class TrainConfig:
 
     def _check_sglang_device(self) -> None:
         """What the server's device (and the weight group's backend) can do."""
-        from .rollout.sglang.launch import check_device_flags, resolve_device
-        from .rollout.sglang.weights import resolve_backend
+        from megatron_p3o.rollout.sglang.launch import check_device_flags, resolve_device
+        from megatron_p3o.rollout.sglang.weights import resolve_backend
 
         r, sg = self.rollout, self.rollout.sglang
         if sg.servers > 1 and sg.url is not None:
@@ -307,7 +307,7 @@ class TrainConfig:
         an NCCL weight group whose launched server shares a GPU with a trainer rank cannot form
         (NCCL: duplicate GPU)."""
         r = self.rollout
-        from .rollout.sglang.weights import resolve_backend
+        from megatron_p3o.rollout.sglang.weights import resolve_backend
 
         if r.engine != "sglang" or r.weight_sync != "distributed" or r.sglang.url is not None:
             return  # attached servers: the batch script placed them on their own GPUs
@@ -653,7 +653,7 @@ def resolve_task(cfg: TrainConfig) -> TrainConfig:
     ):
         if v < 1:
             raise ConfigError(f"data.{key}={v} must be >= 1")
-    from .tasks.reasoning_gym import materialize
+    from megatron_p3o.data.tasks.reasoning_gym import materialize
 
     train, held = materialize(
         d.task, dict(d.task_args), d.task_format, d.task_seed, d.task_train_size,

@@ -5,7 +5,8 @@ globals leak into every module makes the code impossible to test layout by layou
 initializes them once and hands out an explicit, frozen :class:`ParallelGroups`; everything else
 (model builder, loss, ESS, weight export, trainer) receives groups as arguments.
 
-On a machine without CUDA it also installs the CPU device shim (:mod:`megatron_p3o.cpu_shim`) and
+On a machine without CUDA it also installs the CPU device shim
+(:mod:`megatron_p3o.runtime.cpu_shim`) and
 uses the gloo backend; with CUDA it uses NCCL and the shim stays off.
 """
 
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from megatron_p3o.runtime.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -
     if dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ:  # a plain `python` launch: a world of one on a free port
-        from .ports import free_port
+        from megatron_p3o.runtime.ports import free_port
 
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -288,7 +289,7 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
     May be called again with another layout in the same process (tests switch layouts without
     restarting ranks): the previous model-parallel groups are destroyed first.
     """
-    from . import cpu_shim
+    from megatron_p3o.runtime import cpu_shim
 
     cpu_shim.install()
     init_distributed(backend)

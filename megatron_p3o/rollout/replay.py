@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .types import Group, Sample, routes_in, routes_out
+from megatron_p3o.types import Group, Sample, routes_in, routes_out
 
 
 @dataclass(frozen=True)

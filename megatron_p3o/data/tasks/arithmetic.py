@@ -61,6 +61,6 @@ def write_jsonl(pairs, path: Path) -> None:
 def reward(completion: str, answer: str) -> float:
     """The task's reward: 1 if the completion is the answer. The character tokenizer decodes
     with a space between tokens ("2 8"), which is this task's business, not the trainer's."""
-    from ..reward.exact_match import exact_match_reward
+    from megatron_p3o.reward.exact_match import exact_match_reward
 
     return exact_match_reward(completion.replace(" ", ""), answer)

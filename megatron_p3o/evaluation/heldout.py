@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import DataError
-from .reward.registry import RewardConfig
-from .types import SamplingParams
+from megatron_p3o.reward.registry import RewardConfig
+from megatron_p3o.runtime.errors import DataError
+from megatron_p3o.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def load_set(cfg: EvalSetConfig, tokenizer, chat_template: bool, name: str):
     """Rows ``(prompt ids, answer)`` of one set, through ``datasets``."""
-    from .rollout.prompts import encode_prompt, read_dataset
+    from megatron_p3o.rollout.prompts import encode_prompt, read_dataset
 
     ds = read_dataset(cfg.path, cfg.split, f"eval.sets.{name}.path")
     for key in (cfg.prompt_key, cfg.answer_key):
@@ -104,7 +104,7 @@ def load_set(cfg: EvalSetConfig, tokenizer, chat_template: bool, name: str):
 
 def evaluate_sets(trainer, cfg: EvalConfig) -> Dict[str, float]:
     """Every set's metrics with the trainer's current weights (all ranks call this)."""
-    from .reward import build_reward
+    from megatron_p3o.reward import build_reward
 
     out: Dict[str, float] = {}
     g = trainer.groups

@@ -19,9 +19,9 @@ from typing import Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from . import mcore_compat
-from .errors import CheckpointError, OutputExistsError
-from .manifest import DAMAGED_SUFFIX, check_everywhere, write_manifest
+from megatron_p3o.checkpoint.manifest import DAMAGED_SUFFIX, check_everywhere, write_manifest
+from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.runtime.errors import CheckpointError, OutputExistsError
 
 
 @dataclass(frozen=True)
@@ -347,7 +347,7 @@ def finished_checkpoint(run_dir: str | Path, steps: int, evaluated: bool) -> Pat
     step (a run stopped between its last save and its final evaluation is not finished). Else
     None. Every rank reads the whole checkpoint (no collective: no process group exists yet,
     and the ranks must agree)."""
-    from .manifest import check
+    from megatron_p3o.checkpoint.manifest import check
 
     pointer = Path(run_dir) / "checkpoints" / LATEST
     if not pointer.is_file():
