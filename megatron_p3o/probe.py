@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from megatron_p3o.config.train_config import load_config
+    from megatron_p3o.config.loading import load_config
 
     cfg = load_config(a.recipe, a.set)
     out = Path(a.out) if a.out else Path(cfg.run.dir) / cfg.run.name / "probe"
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     )
     from rich.console import Console
 
-    from megatron_p3o.train import start_groups
+    from megatron_p3o.loop import start_groups
 
     groups = start_groups(cfg)
     con = Console(quiet=groups.rank != 0, soft_wrap=True, stderr=False)

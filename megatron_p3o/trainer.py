@@ -24,7 +24,9 @@ from megatron_p3o.checkpoint.state import (
     resumable_checkpoint,
     save_training_checkpoint,
 )
-from megatron_p3o.config.train_config import ConfigError, TrainConfig, to_dict
+from megatron_p3o.config.loading import to_dict
+from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.data.prompts import PromptData, all_rows, remap_states
 from megatron_p3o.logprob.reference import ReferenceModel
 from megatron_p3o.loss import build_objective
 from megatron_p3o.model.builder import BuildOptions, build_model
@@ -36,8 +38,8 @@ from megatron_p3o.reward.overlong import dapo_overlong_reward
 from megatron_p3o.rollout.backend import build_backend
 from megatron_p3o.rollout.config import RolloutShard
 from megatron_p3o.rollout.engine import check_behavior_semantics
-from megatron_p3o.rollout.prompts import PromptData, all_rows, remap_states
 from megatron_p3o.rollout.replay import ReplayBuffer, TrajectoryFIFO
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.parallel import ParallelGroups
 from megatron_p3o.types import SamplingParams, TrainBatch
 from megatron_p3o.update.batching import MicroBatcher
@@ -180,7 +182,7 @@ class Trainer:
         (one line, every key with both values) unless ``run.allow_config_change``."""
         import json
 
-        from megatron_p3o.config.train_config import config_changes
+        from megatron_p3o.config.loading import config_changes
 
         saved = self.resumed_from / CONFIG_FILE
         if not saved.is_file():  # written before checkpoints kept their recipe

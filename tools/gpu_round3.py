@@ -53,7 +53,7 @@ def fp8_on_device(device: str) -> dict:
 def padding_rule() -> dict:
     import yaml
 
-    from megatron_p3o.config.train_config import load_config
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.update.batching import token_multiple
 
     out = {}

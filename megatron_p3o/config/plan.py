@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from megatron_p3o.config.train_config import ConfigError, TrainConfig
+from megatron_p3o.config.train_config import TrainConfig
 from megatron_p3o.model.builder import padded_vocab_size
 from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime.errors import ConfigError
 
 GiB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

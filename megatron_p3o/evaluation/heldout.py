@@ -89,7 +89,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def load_set(cfg: EvalSetConfig, tokenizer, chat_template: bool, name: str):
     """Rows ``(prompt ids, answer)`` of one set, through ``datasets``."""
-    from megatron_p3o.rollout.prompts import encode_prompt, read_dataset
+    from megatron_p3o.data.prompts import encode_prompt, read_dataset
 
     ds = read_dataset(cfg.path, cfg.split, f"eval.sets.{name}.path")
     for key in (cfg.prompt_key, cfg.answer_key):

@@ -16,9 +16,9 @@ import abc
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_p3o.data.prompts import PromptData
 from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
 from megatron_p3o.rollout.engine import RolloutEngine
-from megatron_p3o.rollout.prompts import PromptData
 from megatron_p3o.rollout.scheduler import (
     LoadWeights,
     NoWeights,

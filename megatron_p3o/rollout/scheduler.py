@@ -44,9 +44,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_p3o.data.prompts import PromptData, PromptItem
 from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
 from megatron_p3o.rollout.engine import RolloutEngine
-from megatron_p3o.rollout.prompts import PromptData, PromptItem
 from megatron_p3o.runtime.errors import UserError
 from megatron_p3o.types import Group, Sample, SamplingParams
 

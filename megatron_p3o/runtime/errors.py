@@ -36,6 +36,10 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, incomplete, or does not match the model it is loaded into."""
 
 
+class ConfigError(UserError, ValueError):
+    """One bad key or value; the message names its dotted path."""
+
+
 class DataError(UserError, ValueError):
     """A prompt file or a rollout sample is malformed (the message names the row or sample)."""
 

@@ -50,7 +50,7 @@ def parse_sets(items) -> dict:
     """``["steps=2", "optim.lr=1e-4"]`` → ``{"steps": 2, "optim.lr": 1e-4}`` (values are YAML)."""
     import yaml
 
-    from megatron_p3o.config.train_config import ConfigError
+    from megatron_p3o.runtime.errors import ConfigError
 
     out = {}
     for item in items:
@@ -92,7 +92,7 @@ def sets_text(sets) -> str:
 
 def check_same_sets(grid, todo, sets) -> None:
     """Refuse finished cells whose recorded ``--set`` items differ from this invocation's."""
-    from megatron_p3o.config.train_config import ConfigError
+    from megatron_p3o.runtime.errors import ConfigError
     from megatron_p3o.stress.runner import finished
 
     want = sets_text(sets)
@@ -109,7 +109,7 @@ def check_same_sets(grid, todo, sets) -> None:
 def check_base(grid, checkpoint: str) -> None:
     """The grid's ``base_hash``: the cells must start from that base (the shipped one), not from
     one trained on this CPU, whose weights differ on another instruction set. One line if not."""
-    from megatron_p3o.config.train_config import ConfigError
+    from megatron_p3o.runtime.errors import ConfigError
     from megatron_p3o.stress.provenance import tree_hash
 
     if not Path(checkpoint).exists():

@@ -51,13 +51,9 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from megatron_p3o.config.train_config import (
-    ConfigError,
-    TrainConfig,
-    _build,
-    load_config,
-    load_yaml_mapping,
-)
+from megatron_p3o.config.loading import _build, load_config, load_yaml_mapping
+from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,8 @@ def _probe(trainer, n_prompts, path=None, keep=False, on_phase=None):
     """``(sums, rows, prompts)``: the float64 sums ``[Σ|Δℓ|, Σ|ΣΔℓ|, Σ(ρ−1−Δℓ), tokens,
     sequences]`` over every rank and, with ``keep``, every sequence's ``(prompt index, ℓθ, ℓb)``
     gathered to every rank (unordered)."""
+    from megatron_p3o.data.prompts import all_rows
     from megatron_p3o.logprob.scoring import score_responses
-    from megatron_p3o.rollout.prompts import all_rows
 
     cfg, g = trainer.cfg, trainer.groups
     d = cfg.data

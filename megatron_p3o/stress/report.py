@@ -347,7 +347,8 @@ def _subsets(grid: GridConfig) -> str:
 
 def _base_lr(grid: GridConfig):
     """The base recipe's learning rate (what objectives without their own ``optim.lr`` use)."""
-    from megatron_p3o.config.train_config import ConfigError, load_config
+    from megatron_p3o.config.loading import load_config
+    from megatron_p3o.runtime.errors import ConfigError
 
     try:
         return load_config(grid.base).optim.lr

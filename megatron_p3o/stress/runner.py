@@ -284,7 +284,7 @@ def code_key() -> str:
 
 def store_material(grid: GridConfig, cfg: TrainConfig) -> dict:
     """What a cell's numbers depend on (the store's key is its hash)."""
-    from megatron_p3o.config.train_config import to_dict
+    from megatron_p3o.config.loading import to_dict
     from megatron_p3o.stress.provenance import cpu_isa
 
     conf = to_dict(cfg)

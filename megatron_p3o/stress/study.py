@@ -58,7 +58,8 @@ def _lrs(grid: GridConfig) -> str:
 def _task(grid: GridConfig) -> str:
     """What the cells learn: the base recipe's ``data.task``, else its reward function (the
     addition grids' ``megatron_p3o.data.tasks.arithmetic:reward``), else its data file."""
-    from megatron_p3o.config.train_config import ConfigError, load_config
+    from megatron_p3o.config.loading import load_config
+    from megatron_p3o.runtime.errors import ConfigError
 
     try:
         cfg = load_config(grid.base)
@@ -333,7 +334,7 @@ def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
     for g in grids:
         f = Path(g.out) / "cells.csv"
         if not f.is_file():
-            from megatron_p3o.config.train_config import ConfigError
+            from megatron_p3o.runtime.errors import ConfigError
 
             raise ConfigError(f"{f}: no report of grid {g.name} yet (run it, or --report-only)")
         cells[g.name] = read_cells(f)

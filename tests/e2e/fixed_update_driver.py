@@ -40,7 +40,7 @@ def _count_fused_calls() -> list:
 def main(argv) -> None:
     import torch.distributed as dist
 
-    from megatron_p3o.config.train_config import load_config
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.rollout.scheduler import RolloutResult
     from megatron_p3o.runtime.parallel import init_distributed, initialize
     from megatron_p3o.trainer import Trainer

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.config.train_config import load_config
+from megatron_p3o.config.loading import load_config
 from megatron_p3o.train import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,8 +2,9 @@ import re
 
 import pytest
 
-from megatron_p3o.config.train_config import ConfigError, TrainConfig, load_config
-from megatron_p3o.runtime.errors import UserError
+from megatron_p3o.config.loading import load_config
+from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.runtime.errors import ConfigError, UserError
 
 
 def _write(tmp_path, text):
@@ -178,7 +179,7 @@ _BAD = {  # a value outside each rule of config.RANGES
 
 
 def _ranges():
-    from megatron_p3o.config.train_config import RANGES
+    from megatron_p3o.config.ranges import RANGES
 
     return RANGES
 
@@ -192,7 +193,7 @@ def test_every_range_is_checked_at_load_with_its_key(path, rule):
 
 
 def test_the_defaults_are_in_range():
-    from megatron_p3o.config.train_config import check_ranges
+    from megatron_p3o.config.ranges import check_ranges
 
     check_ranges(TrainConfig())
 

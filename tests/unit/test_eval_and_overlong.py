@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_p3o.config.train_config import ConfigError, load_config
+from megatron_p3o.config.loading import load_config
 from megatron_p3o.evaluation.heldout import pass_at_k, summarize
 from megatron_p3o.reward.overlong import OverlongConfig, dapo_overlong_reward
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.types import Sample
 from megatron_p3o.update.batching import BatchConfig, MicroBatcher
 
@@ -100,7 +101,7 @@ def test_dataset_names_go_through_datasets(tmp_path, monkeypatch):
 
     import datasets
 
-    from megatron_p3o.rollout.prompts import read_dataset
+    from megatron_p3o.data.prompts import read_dataset
     from megatron_p3o.runtime.errors import InputFileError
 
     # no hub round trips from a test machine (CI reaches package registries only)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_p3o.config.train_config import ConfigError, load_config
+from megatron_p3o.config.loading import load_config
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.types import Sample
 from megatron_p3o.update.batching import MicroBatcher, packed_microbatch, token_multiple
 

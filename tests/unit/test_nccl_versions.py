@@ -48,7 +48,7 @@ def test_mismatched_nccl_is_refused_with_both_versions_and_remedies():
 
 
 def test_launch_refuses_before_any_server_starts(monkeypatch, tmp_path):
-    from megatron_p3o.config.train_config import load_config
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.rollout import backend as backend_mod
     from megatron_p3o.rollout.sglang import weights
     from megatron_p3o.runtime.parallel import Layout, initialize
@@ -71,7 +71,7 @@ def test_the_probe_runs_in_the_servers_environment(monkeypatch, tmp_path):
     """Issue 42: an LD_PRELOAD set for the servers only (``rollout.sglang.ld_preload``) must be
     in the probe's environment, as it is in the launched servers'; the probe used to inherit the
     trainer's environment instead."""
-    from megatron_p3o.config.train_config import load_config
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.rollout import backend as backend_mod
     from megatron_p3o.rollout.sglang import weights
     from megatron_p3o.rollout.sglang.launch import server_env

@@ -12,11 +12,11 @@ import pytest
 
 rg = pytest.importorskip("reasoning_gym")
 
-from megatron_p3o.config.train_config import ConfigError, load_config  # noqa: E402
+from megatron_p3o.config.train_config import load_config  # noqa: E402
 from megatron_p3o.data.tasks import chain_sum  # noqa: E402
 from megatron_p3o.data.tasks import reasoning_gym as task  # noqa: E402
 from megatron_p3o.reward import build_reward  # noqa: E402
-from megatron_p3o.runtime.errors import DataError  # noqa: E402
+from megatron_p3o.runtime.errors import ConfigError, DataError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = {"min_terms": 4, "max_terms": 6, "min_digits": 2, "max_digits": 3}

@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
+from megatron_p3o.config.loading import load_config
 from megatron_p3o.config.plan import expert_params, layer_params, make_plan
-from megatron_p3o.config.train_config import ConfigError, load_config
 from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.train import main
 
 ROOT = Path(__file__).resolve().parents[2]

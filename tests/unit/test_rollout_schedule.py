@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
+from megatron_p3o.data.prompts import PromptData, remap_states
 from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
 from megatron_p3o.rollout.engine import RolloutEngine
-from megatron_p3o.rollout.prompts import PromptData, remap_states
 from megatron_p3o.rollout.replay import ReplayBuffer, ReplayConfig
 from megatron_p3o.rollout.scheduler import (
     LoadWeights,

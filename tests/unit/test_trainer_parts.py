@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
-from megatron_p3o.config.train_config import ConfigError, load_config
+from megatron_p3o.config.loading import load_config
 from megatron_p3o.loss import build_objective
 from megatron_p3o.observability.metrics import PhaseTimer, combine_optimizer_steps
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.types import Group, Sample, TrainBatch
 
 

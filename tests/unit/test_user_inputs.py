@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_p3o.rollout.prompts import check_json_rows
+from megatron_p3o.data.prompts import check_json_rows
 from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine
 from megatron_p3o.rollout.sglang import client as sglang_client
 from megatron_p3o.rollout.sglang.protocol import EngineUnavailableError
@@ -73,7 +73,7 @@ def test_json_documents_and_blank_lines_pass(tmp_path):
 
 
 def test_read_dataset_names_a_directory_and_a_corrupt_parquet(tmp_path):
-    from megatron_p3o.rollout.prompts import read_dataset
+    from megatron_p3o.data.prompts import read_dataset
 
     (tmp_path / "d.jsonl").mkdir()
     with pytest.raises(InputFileError, match="is a directory"):

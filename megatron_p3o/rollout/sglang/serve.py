@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from megatron_p3o.config.train_config import load_config
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.rollout.sglang.launch import (
         API_KEY_ENV,
         ServerProcess,
