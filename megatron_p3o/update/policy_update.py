@@ -41,6 +41,7 @@ own advantages (OAPL's A*) deliver them in ``advantages`` from the advantage sta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -68,6 +69,25 @@ from megatron_p3o.runtime.parallel import ParallelGroups
 
 # the step's count of non-finite ℓθ travels with its metrics (one reduction), never logged
 _NONFINITE = "_nonfinite_logprobs"
+
+
+@dataclass
+class StepPlan:
+    """What one optimizer step does, decided before any forward (:meth:`PolicyUpdate.plan`):
+    the global counts, the normalizer, where e_B comes from (``none`` | ``prepass`` |
+    ``gradient_pass`` | ``microbatch``) and where the metric-only entropy is taken. M2PO's cut
+    and kept-token normalizer are filled in by :meth:`PolicyUpdate.m2po_step`."""
+
+    n_tok: float
+    n_seq: float
+    n_micro: int
+    ess_from: str
+    one_pool: bool  # each DP rank holds one micro-batch and no PP: an in-pass pool is the step
+    entropy_done: bool  # the pre-pass took the metric-only entropy
+    want_entropy: bool
+    norm: float
+    cut: Optional[Any] = None
+    m2_kept: Optional[float] = None
 
 
 class PolicyUpdate:
@@ -294,97 +314,148 @@ class PolicyUpdate:
     def run(
         self, chunks, microbatches: List[MicroBatch], forward_only: bool = False
     ) -> Dict[str, float]:
-        """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step.
+        """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step,
+        as the module docstring's steps: plan → e_B before the gradients → M2PO's cut →
+        gradient pass → metrics. Every CP rank computes the loss of whole sequences (see
+        :func:`~megatron_p3o.logprob.scoring.response_logprobs`): the loss side sums over DP."""
+        self._check_inputs(microbatches)
+        plan = self.plan(microbatches)
+        acc = StepMetrics()
+        ess = self.ess_before_gradients(chunks, microbatches, plan, acc)
+        self.m2po_step(microbatches, plan)
+        pools, watch = self.gradient_pass(chunks, microbatches, plan, ess, acc, forward_only)
+        return self._from_last_stage(self.finalise(plan, ess, pools, watch, acc))
 
-        Every CP rank computes the loss of whole sequences (see :func:`response_logprobs`), so
-        the loss side sums over DP only."""
+    def _check_inputs(self, microbatches: List[MicroBatch]) -> None:
+        """Step 0: micro-batches in the nested form; whole sequences for per-sequence objectives;
+        finite ℓb on every rank before any collective."""
         for mb in microbatches:
             nest_response(mb)
         if self.objective.per_sequence:
             _check_whole_sequences(microbatches, self.objective.name)
         self._check_behavior_logprobs(microbatches)
+
+    def plan(self, microbatches: List[MicroBatch]) -> "StepPlan":
+        """Step 1: the step's global counts (one DP all-reduce) and where e_B comes from.
+
+        N_B = Σ over every micro-batch of every DP rank of the valid completion tokens (the
+        sequence count for per-sequence objectives): the one normalizer of the step's token
+        mean. e_B = (Σρ)² / (N·Σρ²) (Fakoor et al., 2026, Eq. 5) is pooled over
+          - the whole step, from a no-grad pre-pass (``ess_scope: step``, several micro-batches
+            per DP rank or PP > 1);
+          - the whole step, inside the gradient pass when each DP rank holds exactly one
+            micro-batch and there is no PP (that micro-batch *is* the step: the same statistics,
+            one forward fewer);
+          - micro-batch k of every DP rank (``ess_scope: microbatch``, FeynRL's)."""
         n_tok, n_seq, n_micro = self._global_counts(microbatches)
-        acc = StepMetrics()
-        ess = ess_p = None
-        step_scope = self.cfg.ess_scope == "step"
-        # One micro-batch on every DP rank (no PP): that micro-batch *is* the step, so e_B comes
-        # from the gradient pass's own forward, all-reduced over DP inside the loss as with
-        # ``ess_scope: microbatch`` — the same statistics as the pre-pass, one forward fewer.
         layout = self.groups.layout
-        in_pass = step_scope and n_micro == (layout.dp or 1) and not layout.pp_enabled
-        prepass = self.objective.needs_ess and step_scope and not in_pass
-        if prepass:
-            ess, ess_p = self._broadcast_from_last_stage(
-                self._ess_prepass(chunks, microbatches, acc)
-            )
-        entropy_done = prepass and self.cfg.log_entropy
-        want_ent = self.objective.needs_entropy or (self.cfg.log_entropy and not entropy_done)
-        micro_stats: List[torch.Tensor] = []
-        norm = n_seq if self.objective.per_sequence else n_tok
-        cut = m2_kept = None  # M2PO: the step's cut and its kept tokens (the normalizer)
+        step_scope = self.cfg.ess_scope == "step"
+        one_per_rank = step_scope and n_micro == (layout.dp or 1) and not layout.pp_enabled
+        if not self.objective.needs_ess:
+            ess_from = "none"
+        elif not step_scope:
+            ess_from = "microbatch"
+        else:
+            ess_from = "gradient_pass" if one_per_rank else "prepass"
+        entropy_done = ess_from == "prepass" and self.cfg.log_entropy
+        return StepPlan(
+            n_tok=n_tok,
+            n_seq=n_seq,
+            n_micro=n_micro,
+            ess_from=ess_from,
+            one_pool=one_per_rank,
+            entropy_done=entropy_done,
+            want_entropy=self.objective.needs_entropy
+            or (self.cfg.log_entropy and not entropy_done),
+            norm=n_seq if self.objective.per_sequence else n_tok,
+        )
+
+    def ess_before_gradients(self, chunks, microbatches, plan: "StepPlan", acc) -> tuple:
+        """Step 2: ``(e_B, e_prox)`` from the pre-pass when the plan says so (float64 (Σρ, Σρ²,
+        N) summed over micro-batches, all-reduced over DP on the last stage, sent to every
+        stage), else ``(None, None)``: the gradient pass pools them itself."""
+        if plan.ess_from != "prepass":
+            return None, None
+        return self._broadcast_from_last_stage(self._ess_prepass(chunks, microbatches, acc))
+
+    def m2po_step(self, microbatches: List[MicroBatch], plan: "StepPlan") -> None:
+        """Step 3 (M2PO only): the step's second-moment cut and its kept tokens, which become
+        the normalizer; or the per-micro-batch keeps of ``scope: microbatch``."""
         if self.objective.needs_m2_cut:
-            cut, m2_kept = self._m2po_cut(microbatches)
-            norm = m2_kept
+            plan.cut, plan.m2_kept = self._m2po_cut(microbatches)
+            plan.norm = plan.m2_kept
         elif self.objective.needs_m2_microbatch_keep:
             self._m2po_microbatch_keeps(microbatches)
-        watch = FiniteWatch()
 
-        # One micro-batch reads nothing on the host (each read stalls the device stream):
-        # metrics accumulate as device tensors and are read once per step, after the schedule;
-        # so are the checks (non-finite ℓθ, a micro-batch ESS pool without tokens).
+    def gradient_pass(self, chunks, microbatches, plan: "StepPlan", ess: tuple, acc, forward_only):
+        """Step 4: Megatron's schedule over every micro-batch; each returns Σ terms / N_B
+        (Megatron only sums: the gradient of one process holding the whole step). Returns the
+        ESS statistics pooled inside the pass (``[3 or 6]`` float64 per pool) and the watch of
+        non-finite ℓθ. A micro-batch reads nothing on the host (each read stalls the device
+        stream): metrics accumulate as device tensors, checked once after the schedule."""
+        pools: List[torch.Tensor] = []
+        watch = FiniteWatch()
+        pooled = plan.ess_from in ("gradient_pass", "microbatch")
+
         def loss_fn(batch, logits):
             needs_value = self.objective.needs_value
-            lp, ent, mask, val = self._logprobs(batch, logits, watch, want_ent, needs_value)
+            lp, ent, mask, val = self._logprobs(batch, logits, watch, plan.want_entropy,
+                                                needs_value)  # fmt: skip
             inp = self._inputs(batch, lp, ent, mask, val)
             self.objective.check_inputs(inp)
-            e, e_p = ess, ess_p
-            if self.objective.needs_ess and (in_pass or not step_scope):
+            e, e_p = ess
+            if pooled:
                 # DP group: micro-batch k of every data-parallel rank forms one ESS pool. e_B
                 # stays a device scalar; its statistics are checked after the schedule.
                 st = all_reduce_stats(self._ess_stats(inp), self.groups.dp)
-                micro_stats.append(st)
+                pools.append(st)
                 e = ess_tensor(st[:3])
                 e_p = ess_tensor(st[3:]) if st.numel() > 3 else None
-            stats = StepStats(n_tok, n_seq, e, e_p, m2po_cut=cut, m2po_kept=m2_kept)
+            stats = StepStats(plan.n_tok, plan.n_seq, e, e_p, m2po_cut=plan.cut,
+                              m2po_kept=plan.m2_kept)  # fmt: skip
             total, pairs = self.objective.terms(inp, stats)
-            loss = total / norm
+            loss = total / plan.norm
             with torch.no_grad():
                 acc.add("loss", loss.detach(), 1.0)
                 for k, (num, den) in pairs.items():
                     acc.add(k, num, den)
                 dropped = batch["response"]["mask"].sum() - mask.sum()
                 acc.add("nonfinite_masked", dropped, 1.0)
-                add_mismatch_metrics(acc, inp, entropy=not entropy_done)
+                add_mismatch_metrics(acc, inp, entropy=not plan.entropy_done)
             return loss, mask.sum().to(torch.int), {}
 
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
-        metrics: Dict[str, float] = {"n_tokens": n_tok, "n_seqs": n_seq}
-        if m2_kept is not None:
-            metrics["m2po_kept_tokens"] = m2_kept
+        return pools, watch
+
+    def finalise(self, plan: "StepPlan", ess: tuple, pools, watch, acc) -> Dict[str, Any]:
+        """Step 5: the loss side's one DP reduction and one device→host read (last stage), the
+        deferred checks (non-finite ℓθ, empty ESS pools), and the step's e_B in the metrics:
+        the pre-pass value, the one in-pass pool, or the mean (and min) over micro-batch pools."""
+        metrics: Dict[str, Any] = {"n_tokens": plan.n_tok, "n_seqs": plan.n_seq}
+        if plan.m2_kept is not None:
+            metrics["m2po_kept_tokens"] = plan.m2_kept
         micro_ess: List[tuple] = []  # (e_B, e_prox or None) per ESS pool
         if self.groups.is_last_stage():
             acc.add(_NONFINITE, watch.count(self.groups.device), 1.0)
             # DP group: each DP rank's micro-batches hold a disjoint share of the sequences.
             acc.reduce(self.groups.dp, self.groups.device)
-            # the step's one device→host read of the loss side (metrics, checks, micro e_B)
-            micro = acc.to_host(*micro_stats)
+            micro = acc.to_host(*pools)  # the step's one device→host read of the loss side
             bad = acc.sums.pop(_NONFINITE)[0]
             if bad:  # on every DP rank: the count was summed over them
                 watch.raise_error(bad)
-            pool = "optimizer step" if in_pass else "micro-batch"
+            pool = "optimizer step" if plan.one_pool else "micro-batch"
             micro_ess = [self._ess_values(st.tolist(), pool) for st in micro]
             res = finalize_mismatch(acc.result())
-            res["log_ratio_hist"] = acc.coarse_hist(
-                "ratio", bins=200
-            )  # 0.02-wide bins, log ρ ∈ [−2, 2]
+            res["log_ratio_hist"] = acc.coarse_hist("ratio", bins=200)  # 0.02-wide, log ρ ∈ [−2, 2]
             res["loss"] = acc.sums["loss"][0]  # Σ over micro-batches and DP ranks
             res["nonfinite_masked"] = acc.sums["nonfinite_masked"][0]
             metrics.update(res)
-        if ess is not None:
-            metrics["ess"] = ess
+        ess_b, ess_p = ess
+        if ess_b is not None:
+            metrics["ess"] = ess_b
         if ess_p is not None:
             metrics["ess_prox"] = ess_p
-        if micro_ess and in_pass:  # one pool: the step's e_B (and e_prox)
+        if micro_ess and plan.one_pool:  # one pool: the step's e_B (and e_prox)
             metrics["ess"], e_p = micro_ess[0]
             if e_p is not None:
                 metrics["ess_prox"] = e_p
@@ -392,7 +463,7 @@ class PolicyUpdate:
             values = [e for e, _ in micro_ess]
             metrics["ess"] = sum(values) / len(values)
             metrics["ess_microbatch_min"] = min(values)
-        return self._from_last_stage(metrics)
+        return metrics
 
     def _from_last_stage(self, metrics: Dict[str, Any]) -> Dict[str, Any]:
         """The last stage's metrics on every stage (the logger is global rank 0, a first stage)."""

@@ -26,6 +26,7 @@ DEVICE_BOUND = [
     "megatron_p3o/update/balance.py",
     "megatron_p3o/update/batching.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/loss").glob("*.py")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/logprob").glob("*.py")),
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/weight_sync").glob("*.py")),
 ]
 FACTORIES = {

@@ -105,7 +105,9 @@ def count_microbatch_syncs(
     """Host syncs of each micro-batch of one optimizer step's gradient pass (rank body)."""
     from megatron.core.pipeline_parallel import schedules
 
+    from megatron_p3o.logprob.scoring import score_responses
     from megatron_p3o.loss import build_objective
+    from megatron_p3o.loss.config import LossConfig
     from megatron_p3o.model import forward
     from megatron_p3o.update import policy_update
     from megatron_p3o.update.batching import BatchConfig, MicroBatcher
@@ -123,13 +125,13 @@ def count_microbatch_syncs(
         build_objective(objective),
         groups,
         vocab,
-        policy_update.LossConfig(ess_scope=scope, nonfinite=nonfinite),
+        LossConfig(ess_scope=scope, nonfinite=nonfinite),
     )
     if update.objective.recomputes_old(update.cfg.old_logprobs):
         update.recompute_old_logprobs(ddp, mbs)
     if update.objective.needs_ref_logprobs:  # the policy's own weights stand in for πref
         value = "ref_values" if update.objective.needs_value else None
-        policy_update.score_responses(ddp, groups, mbs, "ref_logprobs", 1.0, vocab, value_key=value)
+        score_responses(ddp, groups, mbs, "ref_logprobs", 1.0, vocab, value_key=value)
 
     counter = SyncCounter()
     per_mb: list = []
@@ -248,6 +250,7 @@ def nonfinite_error(groups, objective: str):
     """The message of the error a NaN ℓθ raises (rank body): NaN in one output-layer row makes
     every log-prob NaN."""
     from megatron_p3o.loss import NonFiniteLogprobError, build_objective
+    from megatron_p3o.loss.config import LossConfig
     from megatron_p3o.update import policy_update
     from megatron_p3o.update.batching import BatchConfig, MicroBatcher
     from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
@@ -265,7 +268,7 @@ def nonfinite_error(groups, objective: str):
         build_objective(objective),
         groups,
         vocab,
-        policy_update.LossConfig(old_logprobs="behaviour"),
+        LossConfig(old_logprobs="behaviour"),
     )
     try:
         update.run(ddp, mbs)

@@ -327,6 +327,7 @@ def m2po_microbatch_trainer_step(groups, tau: float):
     schedule, a tiny model, several micro-batches), with each micro-batch's loss inputs and the
     gradient reaching its ℓθ captured (rank body)."""
     from megatron_p3o.loss import build_objective
+    from megatron_p3o.loss.config import LossConfig
     from megatron_p3o.update import policy_update
     from megatron_p3o.update.batching import BatchConfig, MicroBatcher
     from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
@@ -339,7 +340,7 @@ def m2po_microbatch_trainer_step(groups, tau: float):
     samples, adv = _samples(6, vocab)
     (mbs,), _ = MicroBatcher(BatchConfig(micro_batch_size=2), groups, SEQ, 0).build(samples, adv)
     obj = build_objective("m2po", scope="microbatch", tau=tau, rejection_sampling=None)
-    update = policy_update.PolicyUpdate(obj, groups, vocab, policy_update.LossConfig())
+    update = policy_update.PolicyUpdate(obj, groups, vocab, LossConfig())
     update.recompute_old_logprobs(ddp, mbs)
     seen = []
     terms = obj.terms
