@@ -67,3 +67,21 @@ def test_the_tiny_base_loads_in_transformers_as_the_recipe_model():
     acc = greedy_accuracy(model, tok, held)  # the 500 held-out prompts base.json was measured on
     shipped = json.loads((BASES / "tiny_addition/base.json").read_text())["heldout_greedy_acc"]
     assert abs(acc - shipped) <= 0.03, (acc, shipped)  # another CPU may flip a few argmaxes
+
+
+def test_the_chain_base_loads_and_a_training_option_needs_train(tmp_path):
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(BASES / "chain_sum/hf")
+    info = json.loads((BASES / "chain_sum/base.json").read_text())
+    assert info["task"] == "reasoning_gym:chain_sum" and info["heldout_greedy_acc"] >= 0.4
+    assert model.config.num_hidden_layers == 4
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools/make_base.py"), "--task", "chain_sum", "--out",
+         str(tmp_path / "b"), "--seed", "3"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "add --train" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "b").exists()
