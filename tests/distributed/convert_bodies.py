@@ -195,13 +195,15 @@ def live_export(groups, ckpt: str):
     from megatron_p3o.weight_sync import iter_hf_buckets, iter_hf_tensors
 
     meta, chunks = _load(groups, ckpt)
-    out, sizes = {}, []
+    out, sizes, counts = {}, [], []
     for bucket in iter_hf_buckets(iter_hf_tensors(chunks, groups, meta["description"]), 40_000):
         sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        counts.append(len(bucket))
         out.update({k: v.clone() for k, v in bucket})
     return {
         "tensors": out,
         "bucket_bytes": sizes,
+        "bucket_counts": counts,
         "tp_rank": groups.tp_rank,
         "pp_rank": groups.pp_rank,
     }
