@@ -47,6 +47,7 @@ from megatron_p3o.update.optim import (
     UpdateSize,
     build_optimizer,
     build_scheduler,
+    over_epochs,
     wrap_ddp,
     zero_grads,
 )
@@ -86,7 +87,11 @@ class Trainer:
         if cfg.r2po.enabled:  # the residual rollout head on the last stage, and its phase
             from megatron_p3o.update.r2po import R2PO
 
-            self.r2po = R2PO(cfg.r2po, self)
+            self.r2po = R2PO(
+                cfg.r2po, self.chunks, self.ddp, self.opt, groups, self.reference,
+                self.desc.vocab_size, self.sampling.temperature, cfg.loss, cfg.batch,
+                seed=cfg.run.seed,
+            )  # fmt: skip
         self.batcher = MicroBatcher(
             cfg.batch, groups, cfg.model.seq_length, self.tok.pad_token_id or 0,
             equal_counts=self.objective.needs_ess and cfg.loss.ess_scope == "microbatch",
@@ -131,10 +136,7 @@ class Trainer:
 
     def _build_reference(self, cfg: TrainConfig, groups: ParallelGroups, ckpt: Path):
         """The frozen reference model when the objective (or ``reference.enabled``) asks."""
-        on = cfg.reference.enabled
-        if on is None:
-            on = self.objective.needs_ref_logprobs or cfg.r2po.enabled
-        if not on:
+        if not cfg.reference.wanted(self.objective, cfg.r2po.enabled):
             return None
         return ReferenceModel(
             self.desc, groups, self.build_opts, ckpt, cfg.rollout.sampling.temperature,
@@ -242,7 +244,7 @@ class Trainer:
         with timer("train"):
             self.rollout.before_update()
             if self.r2po is not None and self.r2po.cfg.phase(self.step_idx) == "head":
-                update = {"r2po_head_phase": 1.0, **self.r2po.head_update(batch)}
+                update = {"r2po_head_phase": 1.0, **self.r2po.head_update(batch, self.batcher)}
             else:
                 update = self._update(batch.samples, adv)
                 update.update(self._replay_update(batch, adv))
@@ -296,23 +298,25 @@ class Trainer:
         if self.objective.recomputes_old(self.cfg.loss.old_logprobs):  # πold before the updates
             for mbs in per_step:  # one schedule per step: its micro-batches share a shape
                 self.update.recompute_old_logprobs(self.ddp, mbs)
-        steps = []
-        for epoch in range(b.epochs):
-            for m in range(b.minibatches):
-                zero_grads(self.ddp, self.opt)
-                metrics = self.update.run(self.ddp, per_step[m])
-                size = UpdateSize(self.opt) if self.cfg.optim.log_update_size else None
-                ok, gnorm, _ = self.opt.step()
-                self.sched.step(1)
-                if size is not None:
-                    metrics.update(size.measure())
-                # the norm before clipping (Megatron clips to clip_grad inside step())
-                metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
-                clip = self.cfg.optim.clip_grad
-                metrics["grad_clipped"] = float(clip > 0 and metrics["grad_norm"] > clip)
-                metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
-                steps.append((epoch, m, metrics))
+        steps = over_epochs(b, lambda m: self._optimizer_step(per_step[m]))
         return {**combine_optimizer_steps(steps), **packing, **ref, **self._route_metrics()}
+
+    def _optimizer_step(self, microbatches) -> Dict:
+        """One optimizer step: gradients of the step's micro-batches, the optimizer and the LR
+        schedule; its metrics (gradient norm before clipping, whether it clipped or skipped)."""
+        zero_grads(self.ddp, self.opt)
+        metrics = self.update.run(self.ddp, microbatches)
+        size = UpdateSize(self.opt) if self.cfg.optim.log_update_size else None
+        ok, gnorm, _ = self.opt.step()
+        self.sched.step(1)
+        if size is not None:
+            metrics.update(size.measure())
+        # the norm before clipping (Megatron clips to clip_grad inside step())
+        metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
+        clip = self.cfg.optim.clip_grad
+        metrics["grad_clipped"] = float(clip > 0 and metrics["grad_norm"] > clip)
+        metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
+        return metrics
 
     def _route_metrics(self) -> Dict[str, float]:
         """MoE: per-layer agreement of the trainer's own top-k with the engine's experts, over

@@ -177,11 +177,8 @@ def make_plan(
 def uses_reference(cfg: TrainConfig) -> bool:
     from megatron_p3o.loss import build_objective
 
-    on = cfg.reference.enabled
-    if on is None:
-        obj = build_objective(cfg.loss.objective, **cfg.loss.hyper)
-        on = obj.needs_ref_logprobs or cfg.r2po.enabled
-    return bool(on)
+    obj = build_objective(cfg.loss.objective, **cfg.loss.hyper)
+    return cfg.reference.wanted(obj, cfg.r2po.enabled)
 
 
 def format_plan(

@@ -195,8 +195,7 @@ class TrainConfig:
                 "r2po.enabled with parallel.sequence_parallel: the rollout head needs whole "
                 "sequences on every TP rank"
             )
-        needs_ref = obj.needs_ref_logprobs or self.r2po.enabled
-        if self.reference.enabled is False and needs_ref:
+        if self.reference.enabled is False and self.reference.needed(obj, self.r2po.enabled):
             raise ConfigError(
                 f"reference.enabled=false, but loss.objective={self.loss.objective!r} with "
                 f"{dict(self.loss.hyper)} needs the reference model's log-probs"

@@ -45,6 +45,16 @@ class ReferenceConfig:
         if self.reset_every < 0:
             raise ValueError(f"reference.reset_every={self.reset_every} must be >= 0")
 
+    @staticmethod
+    def needed(objective, r2po_enabled: bool) -> bool:
+        """The run needs ℓref: the objective reads it, or R2PO (its head is anchored to it)."""
+        return bool(objective.needs_ref_logprobs or r2po_enabled)
+
+    def wanted(self, objective, r2po_enabled: bool) -> bool:
+        """Whether the run builds the reference model (the one rule the trainer, the dry-run's
+        memory plan and the config check share): ``enabled`` when set, else when needed."""
+        return self.needed(objective, r2po_enabled) if self.enabled is None else self.enabled
+
 
 class ReferenceModel:
     """Forward-only reference chunks; :meth:`score` fills ``response.ref_logprobs`` (and

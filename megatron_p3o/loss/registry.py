@@ -206,9 +206,15 @@ class Objective:
         return bool(getattr(self.hyper, "entropy_coef", 0))
 
     def normalizer(self, stats: StepStats) -> float:
+        """The step's one loss normalizer (the token mean's N_B, the sequence count for
+        per-sequence objectives, M2PO's kept tokens), at least 1: a step whose M2PO cut keeps no
+        token has a zero loss, not 0/0. The single-process loss and the policy update both
+        divide by it."""
         if self.needs_m2_cut:  # M2PO, scope step: the mean over the step's kept tokens
-            return stats.m2po_kept
-        return stats.n_seqs if self.per_sequence else stats.n_tokens
+            n = stats.m2po_kept
+        else:
+            n = stats.n_seqs if self.per_sequence else stats.n_tokens
+        return max(n, 1.0)
 
     def check_inputs(self, inp: LossInputs) -> None:
         for need, value, hint in (
@@ -385,7 +391,7 @@ def policy_loss(
     obj.check_inputs(inp)
     stats = step_stats(obj, inp)
     total, pairs = obj.terms(inp, stats)
-    loss = total / max(obj.normalizer(stats), 1.0)
+    loss = total / obj.normalizer(stats)
     acc = StepMetrics()
     for k, (num, den) in pairs.items():
         acc.add(k, num, den)

@@ -230,3 +230,14 @@ class UpdateSize:
             "param_norm": par,
             "update_rel": upd / par if par > 0 else float("nan"),
         }
+
+
+def over_epochs(batch_cfg, one_step) -> list:
+    """``(epoch, mini-batch, metrics)`` of every optimizer step of one rollout batch:
+    ``batch.epochs`` passes over its ``batch.minibatches`` steps, in that order. The policy's
+    update and R2PO's head phase share it; ``one_step(m)`` runs mini-batch ``m``'s step."""
+    return [
+        (epoch, m, one_step(m))
+        for epoch in range(batch_cfg.epochs)
+        for m in range(batch_cfg.minibatches)
+    ]

@@ -74,9 +74,10 @@ _NONFINITE = "_nonfinite_logprobs"
 @dataclass
 class StepPlan:
     """What one optimizer step does, decided before any forward (:meth:`PolicyUpdate.plan`):
-    the global counts, the normalizer, where e_B comes from (``none`` | ``prepass`` |
+    the global counts, where e_B comes from (``none`` | ``prepass`` |
     ``gradient_pass`` | ``microbatch``) and where the metric-only entropy is taken. M2PO's cut
-    and kept-token normalizer are filled in by :meth:`PolicyUpdate.m2po_step`."""
+    and kept-token count (its normalizer: ``Objective.normalizer``) are filled in by
+    :meth:`PolicyUpdate.m2po_step`."""
 
     n_tok: float
     n_seq: float
@@ -85,7 +86,6 @@ class StepPlan:
     one_pool: bool  # each DP rank holds one micro-batch and no PP: an in-pass pool is the step
     entropy_done: bool  # the pre-pass took the metric-only entropy
     want_entropy: bool
-    norm: float
     cut: Optional[Any] = None
     m2_kept: Optional[float] = None
 
@@ -367,7 +367,6 @@ class PolicyUpdate:
             entropy_done=entropy_done,
             want_entropy=self.objective.needs_entropy
             or (self.cfg.log_entropy and not entropy_done),
-            norm=n_seq if self.objective.per_sequence else n_tok,
         )
 
     def ess_before_gradients(self, chunks, microbatches, plan: "StepPlan", acc) -> tuple:
@@ -383,7 +382,6 @@ class PolicyUpdate:
         the normalizer; or the per-micro-batch keeps of ``scope: microbatch``."""
         if self.objective.needs_m2_cut:
             plan.cut, plan.m2_kept = self._m2po_cut(microbatches)
-            plan.norm = plan.m2_kept
         elif self.objective.needs_m2_microbatch_keep:
             self._m2po_microbatch_keeps(microbatches)
 
@@ -414,7 +412,7 @@ class PolicyUpdate:
             stats = StepStats(plan.n_tok, plan.n_seq, e, e_p, m2po_cut=plan.cut,
                               m2po_kept=plan.m2_kept)  # fmt: skip
             total, pairs = self.objective.terms(inp, stats)
-            loss = total / plan.norm
+            loss = total / self.objective.normalizer(stats)
             with torch.no_grad():
                 acc.add("loss", loss.detach(), 1.0)
                 for k, (num, den) in pairs.items():

@@ -32,7 +32,7 @@ from megatron_p3o.loss.config import LossConfig
 from megatron_p3o.loss.ess import EmptyStepError
 from megatron_p3o.model.rollout_head import HeadOptimConfig, RolloutHead
 from megatron_p3o.observability.metrics import combine_optimizer_steps
-from megatron_p3o.update.optim import zero_grads
+from megatron_p3o.update.optim import over_epochs, zero_grads
 from megatron_p3o.update.policy_update import PolicyUpdate
 
 
@@ -68,49 +68,49 @@ class R2POConfig:
 
 
 class R2PO:
-    """The head, its phase's objective, and one head-phase update of a rollout batch."""
+    """The head, its phase's objective, and one head-phase update of a rollout batch. Given the
+    trainer's model (chunks, DDP wrappers, optimizer), groups and reference model, and the
+    loss and batch settings the head phase shares with the policy."""
 
-    def __init__(self, cfg: R2POConfig, trainer):
-        t = trainer
-        self.cfg, self.t = cfg, trainer
-        self.head = RolloutHead(t.chunks, t.groups, cfg.head, seed=t.cfg.run.seed + 17)
+    def __init__(self, cfg: R2POConfig, chunks, ddp, opt, groups, reference, vocab_size: int,
+                 temperature: float, loss_cfg: LossConfig, batch_cfg, seed: int):  # fmt: skip
+        self.cfg, self.ddp, self.opt, self.reference = cfg, ddp, opt, reference
+        self.batch_cfg = batch_cfg
+        self.head = RolloutHead(chunks, groups, cfg.head, seed=seed + 17)
         objective = build_objective(
             "ppo", eps_low=cfg.head_clip, eps_high=cfg.head_clip, kl_coef=cfg.head_kl_coef
         )
         loss = LossConfig(
             objective="ppo",
-            logprob_chunk=t.cfg.loss.logprob_chunk,
-            nonfinite=t.cfg.loss.nonfinite,
-            log_entropy=t.cfg.loss.log_entropy,
+            logprob_chunk=loss_cfg.logprob_chunk,
+            nonfinite=loss_cfg.nonfinite,
+            log_entropy=loss_cfg.log_entropy,
         )
-        self.update = PolicyUpdate(
-            objective, t.groups, t.desc.vocab_size, loss, t.sampling.temperature
-        )
+        self.update = PolicyUpdate(objective, groups, vocab_size, loss, temperature)
 
-    def head_update(self, batch) -> Dict[str, float]:
+    def head_update(self, batch, batcher) -> Dict[str, float]:
         """One rollout batch's head-phase optimizer steps (mini-batches × epochs)."""
-        t, b = self.t, self.t.cfg.batch
         adv = rarity_advantages(batch.rewards, batch.group_index)
-        per_step, packing = t.batcher.build(batch.samples, adv)
+        per_step, packing = batcher.build(batch.samples, adv)
         for mbs in per_step:  # π_ref of the base head: the initial policy
-            t.reference.score(mbs)
-        steps = []
+            self.reference.score(mbs)
+
+        def one_step(m):
+            zero_grads(self.ddp, self.opt)
+            self.head.zero_grad()
+            try:
+                metrics = self.update.run(self.ddp, per_step[m])
+            except EmptyStepError:  # every group all-equal: nothing to learn from
+                return {"head_skipped": 1.0}
+            metrics["head_grad_norm"] = self.head.step()
+            metrics["head_skipped"] = 0.0
+            return metrics
+
         with self.head.mixed():
             for mbs in per_step:  # ℓμ,old: the head before this phase's update
-                self.update.recompute_old_logprobs(t.ddp, mbs)
-            for epoch in range(b.epochs):
-                for m in range(b.minibatches):
-                    zero_grads(t.ddp, t.opt)
-                    self.head.zero_grad()
-                    try:
-                        metrics = self.update.run(t.ddp, per_step[m])
-                    except EmptyStepError:  # every group all-equal: nothing to learn from
-                        steps.append((epoch, m, {"head_skipped": 1.0}))
-                        continue
-                    metrics["head_grad_norm"] = self.head.step()
-                    metrics["head_skipped"] = 0.0
-                    steps.append((epoch, m, metrics))
-        zero_grads(t.ddp, t.opt)  # the trunk's gradients of the head phase are discarded
+                self.update.recompute_old_logprobs(self.ddp, mbs)
+            steps = over_epochs(self.batch_cfg, one_step)
+        zero_grads(self.ddp, self.opt)  # the trunk's gradients of the head phase are discarded
         merged = combine_optimizer_steps(steps).items()
         out = {f"head/{k}": v for k, v in merged if isinstance(v, (int, float))}
         skipped = float(torch.isnan(adv).sum()) / max(len(adv), 1)
