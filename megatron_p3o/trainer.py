@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_p3o.advantage.estimators import group_advantages
 from megatron_p3o.checkpoint.state import (
@@ -39,6 +38,7 @@ from megatron_p3o.rollout.backend import build_backend
 from megatron_p3o.rollout.config import RolloutShard
 from megatron_p3o.rollout.engine import check_behavior_semantics
 from megatron_p3o.rollout.replay import ReplayBuffer, TrajectoryFIFO
+from megatron_p3o.runtime.collectives import all_gather_objects, all_max, all_sum
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.parallel import ParallelGroups
 from megatron_p3o.types import SamplingParams, TrainBatch
@@ -326,7 +326,7 @@ class Trainer:
         from megatron_p3o.model.routing import agreement
 
         hooks = [h for c in self.chunks for h in getattr(c, "route_hooks", [])]
-        return agreement(hooks, self.desc.num_layers, self.groups.device)
+        return agreement(hooks, self.desc.num_layers, self.groups.device, self.groups.world)
 
     def _replay_update(self, batch: TrainBatch, adv: torch.Tensor) -> Dict:
         """``replay.policy: fifo`` (ReVal): one more update on a uniform draw of older
@@ -410,14 +410,13 @@ class Trainer:
         keys = self._DP_SUMS + self._DP_MEANS
         dev = self.groups.device
         t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, group=self.groups.dp)
+        all_sum(t, self.groups.dp, "rollout metrics: each DP rank made its own groups")
         for k, v in zip(keys, t.tolist()):
             if k in out:
                 out[k] = v if k in self._DP_SUMS else v / dp
         maxima = ("staleness_max", "staleness_token_max", "completion_len_max")
         m = torch.tensor([out[k] for k in maxima], dtype=torch.float64, device=dev)
-        # DP group: the step's longest staleness and completion over every rank's samples.
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        all_max(m, self.groups.dp, "the longest staleness and completion over every rank")
         out.update(zip(maxima, m.tolist()))
 
     # -- evaluation, checkpoints, teardown ------------------------------------------------------
@@ -437,8 +436,7 @@ class Trainer:
         for i, s in zip(mine, samples):
             score[i] = float(self.reward_fn(self.decode(s.completion_ids), rows[i][1]))
         if self.groups.layout.dp_enabled:
-            # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
-            dist.all_reduce(score, group=self.groups.dp)
+            all_sum(score, self.groups.dp, "each DP rank evaluated a disjoint share of prompts")
         per_prompt = score.tolist()
         acc = sum(per_prompt) / max(len(per_prompt), 1)
         self.log.log(self.step_idx, {"eval/heldout_accuracy": acc}, jsonl="eval.jsonl")
@@ -488,9 +486,8 @@ class Trainer:
         if g.is_dp_leader:
             replay = {**self.replay.state(), **self.fifo.state()}
             mine = (g.dp_rank, {"rollout": self.rollout.state(), "replay": replay})
-        parts: List = [None] * g.world_size
-        # World: each DP rank has its own cursor and buffer; rank 0 stores them all in common.pt.
-        dist.all_gather_object(parts, mine)
+        parts = all_gather_objects(mine, g.world, "each DP rank has its own cursor and buffer; "
+                                   "rank 0 stores them all in common.pt")  # fmt: skip
         ref = self.reference
         state = {
             "ranks": {str(r): v for r, v in (x for x in parts if x is not None)},

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from megatron_p3o.runtime.collectives import all_gather_objects
+
 MANIFEST = "manifest.json"
 DAMAGED_SUFFIX = ".damaged"
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -64,10 +66,9 @@ def write_manifest(ckpt_dir: Path) -> None:
         if owner == rank or (rank == 0 and (owner is None or owner >= world)):
             p = ckpt / rel
             mine[rel] = (p.stat().st_size, digest(p))
-    parts: List = [None] * world
     if dist.is_initialized():
-        # World: each rank digested the files it wrote; rank 0 writes the one manifest.
-        dist.all_gather_object(parts, mine)
+        parts = all_gather_objects(mine, dist.group.WORLD, "each rank digested the files it "
+                                   "wrote; rank 0 writes the one manifest")  # fmt: skip
     else:
         parts = [mine]
     if rank == 0:
@@ -115,7 +116,6 @@ def check_everywhere(ckpt_dir: Path) -> Optional[str]:
         return check(ckpt_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = check(ckpt_dir, rank, world)
-    found: List = [None] * world
-    # World: each rank verified its share of the files; all must agree on the verdict.
-    dist.all_gather_object(found, mine)
+    found = all_gather_objects(mine, dist.group.WORLD, "each rank verified its share of the "
+                               "files; all must agree on the verdict")  # fmt: skip
     return next((f for f in found if f is not None), None)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_p3o.checkpoint.manifest import DAMAGED_SUFFIX, check_everywhere, write_manifest
 from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.runtime.collectives import barrier
 from megatron_p3o.runtime.errors import CheckpointError, OutputExistsError
 
 
@@ -50,8 +51,7 @@ def sharded_model_state(chunks: Sequence[torch.nn.Module], prefix: str = "") -> 
 
 def _barrier():
     if dist.is_initialized():
-        # World: every rank must have finished writing (or checking) before anyone moves on.
-        dist.barrier()
+        barrier(dist.group.WORLD, "every rank finished writing (or checking) the checkpoint")
 
 
 def save_model_state(

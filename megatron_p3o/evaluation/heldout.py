@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_p3o.reward.registry import RewardConfig
+from megatron_p3o.runtime.collectives import all_sum
 from megatron_p3o.runtime.errors import DataError
 from megatron_p3o.types import SamplingParams
 
@@ -135,8 +135,7 @@ def evaluate_sets(trainer, cfg: EvalConfig) -> Dict[str, float]:
             for i, smp in zip(mine, trainer.generate_eval(prompts, gp) if prompts else []):
                 t[i, 2] = float(reward(trainer.decode(smp.completion_ids), rows[i][1]))
         if g.layout.dp_enabled:
-            # DP group: each DP rank evaluated a disjoint share of the set's prompts.
-            dist.all_reduce(t, group=g.dp)
+            all_sum(t, g.dp, "each DP rank evaluated a disjoint share of the set's prompts")
         out.update(summarize(name, t.tolist(), s.n, s.k, s.greedy))
     return out
 

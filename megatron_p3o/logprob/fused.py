@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_p3o.logprob.kernels import _BLOCK_ELEMS, _row_blocks, _shard_bounds
+from megatron_p3o.runtime.collectives import all_gather_flat, all_max, all_sum, reduce_scatter_flat
 
 
 @dataclass
@@ -80,8 +81,7 @@ class SumGradOverTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         g = g.contiguous()
-        # TP group: each rank's dh is the partial sum over its vocabulary shard only.
-        dist.all_reduce(g, group=ctx.group)
+        all_sum(g, ctx.group, "dh: each TP rank's is the partial sum over its vocabulary shard")
         return g, None
 
 
@@ -93,18 +93,16 @@ class _GatherSequenceParallel(torch.autograd.Function):
         ctx.group = group
         tp = dist.get_world_size(group)
         out = x.new_empty((tp * x.shape[0],) + tuple(x.shape[1:]))
-        # TP group: the output layer needs every token's hidden state (sequence parallelism
-        # left each rank a slice of the sequence), as Megatron's output layer gathers it.
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        all_gather_flat(out, x.contiguous(), group, "the output layer needs every token's hidden "
+                        "state (sequence parallelism left each TP rank a slice)")  # fmt: skip
         return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
         tp = dist.get_world_size(ctx.group)
         out = g.new_empty((g.shape[0] // tp,) + tuple(g.shape[1:]))
-        # TP group: dh summed over the vocabulary shards and handed back to the rank that holds
-        # each token's slice of the sequence.
-        dist.reduce_scatter_tensor(out, g.contiguous(), group=ctx.group)
+        reduce_scatter_flat(out, g.contiguous(), ctx.group, "dh summed over the vocabulary "
+                            "shards, to the TP rank holding each token's slice")  # fmt: skip
         return out, None
 
 
@@ -204,8 +202,7 @@ class _FusedLogprob(torch.autograd.Function):
                 m_all[s:e] = z.amax(-1)
             m = m_all[s:e]
             if cfg.tp_group is not None:
-                # TP group: this chunk's max over the whole vocabulary, for a stable log-sum-exp.
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=cfg.tp_group)
+                all_max(m, cfg.tp_group, "the chunk's max over the whole vocabulary (stable lse)")
             if real == 0:  # a shard of padding columns only: it adds nothing to the sums
                 continue
             z.sub_(m[:, None])
@@ -217,9 +214,8 @@ class _FusedLogprob(torch.autograd.Function):
                 stats[0, s:e] = z.exp_().sum(-1).double()
         del buf, ebuf
         if cfg.tp_group is not None:
-            # TP group: Σexp, the target logit (held by one rank) and Σexp·(z−m) over all
-            # shards; nothing in the forward waits for them, so one reduction for all chunks.
-            dist.all_reduce(stats, group=cfg.tp_group)
+            all_sum(stats, cfg.tp_group, "Σexp, the target logit (one TP rank holds it) and "
+                    "Σexp·(z−m) over the shards, once for all chunks")  # fmt: skip
         # per-token combination in float64: z_y − lse is where fp32 would lose digits
         log_s = torch.log(stats[0])
         lse = m_all.double() + log_s

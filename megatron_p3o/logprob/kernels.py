@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_p3o.runtime.collectives import all_max, all_sum
+
 # rows per block: the fp32 scratch stays ≈ 32 MB whatever the vocabulary
 _BLOCK_ELEMS = 8 * 2**20
 
@@ -93,8 +95,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             else:
                 m_all[s:e] = -float("inf")
         if tp_group is not None:
-            # TP group: the max over the whole vocabulary, for a stable log-sum-exp.
-            dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=tp_group)
+            all_max(m_all, tp_group, "the max over the whole vocabulary (stable log-sum-exp)")
         return m_all
 
     @staticmethod
@@ -145,8 +146,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
         m_all = cls.row_max(flat, real, inv_t, rows, scratch, tp_group)
         cls.sum_exp(flat, real, inv_t, rows, scratch, m_all, stats, with_entropy)
         if tp_group is not None:
-            # TP group: Σexp, the target logit (held by one rank) and Σexp·(z−m) over all shards.
-            dist.all_reduce(stats, group=tp_group)
+            all_sum(stats, tp_group, "Σexp, the target logit (one TP rank holds it) and "
+                    "Σexp·(z−m) over the vocabulary shards")  # fmt: skip
         # per-token combination in float64: z_y − lse is where fp32 would lose digits
         log_s = torch.log(stats[0])
         lse = m_all.double() + log_s

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_p3o.runtime.collectives import all_max, all_sum
+
 LOG_HIST_RANGE = 8.0  # log-ratio histogram covers [-8, 8]
 LOG_HIST_BINS = 1600  # bin width 0.01 in log space (≈1% in ratio)
 COARSE_HIST_RANGE = 2.0  # coarse_hist (metrics.jsonl's log_ratio_hist) covers [-2, 2]
@@ -99,9 +101,8 @@ class StepMetrics:
         parts = [col(x) for n in names for x in self.sums[n]] + [col(self.hists[n]) for n in hnames]
         if parts:
             t = torch.cat(parts)
-            # DP group: each rank accumulated a disjoint part of the step's sequences (sums),
-            # histogram counts of the whole step, for global quantiles.
-            dist.all_reduce(t, group=group)
+            all_sum(t, group, "each DP rank accumulated a disjoint part of the step's sequences; "
+                    "histogram counts of the whole step, for global quantiles")  # fmt: skip
             for i, n in enumerate(names):
                 self.sums[n] = [t[2 * i], t[2 * i + 1]]
             hist = t[2 * len(names) :].split(LOG_HIST_BINS)
@@ -109,8 +110,7 @@ class StepMetrics:
         mnames = sorted(self.maxes)
         if mnames:
             t = torch.cat([col(self.maxes[n]) for n in mnames])
-            # DP group: the step's maximum over every rank's tokens.
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            all_max(t, group, "the step's maximum over every DP rank's tokens")
             self.maxes.update(zip(mnames, t.unbind()))
         return self
 

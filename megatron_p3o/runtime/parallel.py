@@ -214,6 +214,12 @@ class ParallelGroups:
     expt_tp: Optional[dist.ProcessGroup] = None  # tensor parallelism inside each expert
 
     @property
+    def world(self) -> dist.ProcessGroup:
+        """Every rank of the job, by name: collectives that must reach all of them (a bad input
+        stopping every rank, a checkpoint's rank states) say so instead of defaulting to it."""
+        return dist.group.WORLD
+
+    @property
     def ep_rank(self) -> int:
         return dist.get_rank(self.ep) if self.ep is not None else 0
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
+
+from megatron_p3o.runtime.collectives import all_max
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; rerun to resume
 STOP_FILE = "STOP"
@@ -73,8 +74,7 @@ class GracefulStop:
     def agreed(self) -> Optional[str]:
         """The reason to stop now (the same on every rank), or None. A collective."""
         code = torch.tensor([self._local()], dtype=torch.int64)
-        # stop group: every rank stops after the same step if any rank was asked to
-        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
+        all_max(code, self.group, "every rank stops after the same step if any was asked to")
         c = int(code.item())  # host tensor: no device sync
         if c == 0:
             return None

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.runtime.collectives import barrier
 from megatron_p3o.stress.grid import Cell, GridConfig
 
 SUMMARY = "cell.json"
@@ -126,8 +127,7 @@ def run_cell(
     if rank == 0 and run_dir.exists():
         shutil.rmtree(run_dir)  # an interrupted cell starts again from scratch
     if dist.is_initialized():
-        # World: nobody may open the run directory before rank 0 has cleared it.
-        dist.barrier()
+        barrier(dist.group.WORLD, "nobody opens the run directory before rank 0 cleared it")
     p = cfg.parallel
     groups = initialize(p.layout(), seed=cfg.run.seed)
     t0 = time.perf_counter()
@@ -176,8 +176,7 @@ def run_cell(
         tmp.replace(run_dir / SUMMARY)  # the marker appears whole or not at all
         file_in_store(grid, cfg, run_dir, summary)
     if grid.store and dist.is_initialized():
-        # every rank must see the stored cell before asking finished() about the next one
-        dist.barrier()
+        barrier(dist.group.WORLD, "every rank sees the stored cell before the next finished()")
     return summary
 
 

@@ -22,6 +22,8 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_p3o.runtime.collectives import all_gather_objects, all_max
+
 
 def karmarkar_karp(weights: Sequence[int], k: int) -> List[List[int]]:
     """Indices of ``weights`` split into ``k`` parts with near-equal sums (largest differencing).
@@ -97,9 +99,8 @@ def balance_over_dp(items: List, lengths: List[int], group, dp_rank: int) -> Tup
     if group is None or dist.get_world_size(group) == 1:
         return list(enumerate(items)), {}
     dp = dist.get_world_size(group)
-    everyone: List = [None] * dp
-    # DP group: sample ownership moves between data-parallel ranks (same TP/PP/CP coordinates).
-    dist.all_gather_object(everyone, (lengths, items), group=group)
+    everyone = all_gather_objects((lengths, items), group, "sample ownership moves between DP "
+                                  "ranks (same TP/PP/CP coordinates)")  # fmt: skip
     all_len = [n for lens, _ in everyone for n in lens]
     all_items = [x for _, its in everyone for x in its]
     before = [sum(lens) for lens, _ in everyone]
@@ -115,7 +116,6 @@ def agree_on_count(n: int, group, device) -> int:
     if group is None or dist.get_world_size(group) == 1:
         return n
     t = torch.tensor([n], dtype=torch.int64, device=device)
-    # DP group: per-micro-batch collectives (ESS scope "microbatch", MoE token dispatch over
-    # the expert-parallel ranks) need equal counts.
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    all_max(t, group, "per-micro-batch collectives (ESS scope microbatch, MoE token dispatch) "
+            "need equal micro-batch counts on every DP rank")  # fmt: skip
     return int(t.item())

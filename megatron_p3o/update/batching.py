@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_p3o.model.forward import MicroBatch
+from megatron_p3o.runtime.collectives import all_max, all_sum
 from megatron_p3o.runtime.errors import DataError
 from megatron_p3o.runtime.parallel import ParallelGroups
 from megatron_p3o.types import Sample
@@ -346,11 +346,10 @@ class MicroBatcher:
         per_rank[:, self.groups.dp_rank] = torch.tensor([s["real"] for s in stats])  # host
         m = torch.tensor([max(s["max_tokens"] for s in stats)], dtype=torch.float64, device=dev)
         if self.groups.layout.dp_enabled:
-            # DP group: the step's padding, micro-batch shapes and token loads over every
-            # data-parallel rank.
-            dist.all_reduce(t, group=self.groups.dp)
-            dist.all_reduce(per_rank, group=self.groups.dp)
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
+            grp = self.groups.dp
+            all_sum(t, grp, "packing metrics: the step's padding and shapes over every DP rank")
+            all_sum(per_rank, grp, "packing metrics: every DP rank's token load")
+            all_max(m, grp, "packing metrics: the largest micro-batch over every DP rank")
         real, computed, n_micro, oversize = t.tolist()
         out = {
             "pad_fraction": 1.0 - real / max(computed, 1.0),

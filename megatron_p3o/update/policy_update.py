@@ -65,6 +65,14 @@ from megatron_p3o.loss.registry import Objective
 from megatron_p3o.loss.terms import LossInputs, StepStats
 from megatron_p3o.model.forward import MicroBatch, forward_backward, nest_response
 from megatron_p3o.observability.metrics import StepMetrics
+from megatron_p3o.runtime.collectives import (
+    all_gather_into,
+    all_gather_objects,
+    all_max,
+    all_sum,
+    broadcast,
+    broadcast_objects,
+)
 from megatron_p3o.runtime.parallel import ParallelGroups
 
 # the step's count of non-finite ℓθ travels with its metrics (one reduction), never logged
@@ -133,13 +141,9 @@ class PolicyUpdate:
                 raise NonFiniteLogprobError(msg)
             return
         flag = torch.tensor([1.0 if msg else 0.0], device=self.groups.device)
-        # World group: any rank's bad input must stop every rank, or the others hang in the
-        # next collective.
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_max(flag, self.groups.world, "any rank's bad ℓb stops every rank (else they hang)")
         if flag.item() > 0:
-            msgs = [None] * dist.get_world_size()
-            # World group: every rank reports the same, first, offending sample.
-            dist.all_gather_object(msgs, msg)
+            msgs = all_gather_objects(msg, self.groups.world, "every rank names the same sample")
             first = next((r, m) for r, m in enumerate(msgs) if m)
             raise NonFiniteLogprobError(
                 first[1]
@@ -158,9 +162,8 @@ class PolicyUpdate:
             [n_tok, n_seq, len(microbatches)], dtype=torch.float64, device=self.groups.device
         )
         if self.groups.layout.dp_enabled:
-            # DP group: each DP rank holds a disjoint share of the step's sequences (CP ranks of
-            # one DP rank hold the same micro-batches: no CP reduction here).
-            dist.all_reduce(local, group=self.groups.dp)
+            all_sum(local, self.groups.dp, "N_B: each DP rank holds a disjoint share of the step "
+                    "(CP ranks of one DP rank hold the same micro-batches)")  # fmt: skip
         n_tok, n_seq, n_micro = local.tolist()
         if n_tok <= 0:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
@@ -259,8 +262,8 @@ class PolicyUpdate:
             device=self.groups.device,
         )
         if self.groups.layout.pp_enabled:
-            # PP group: only the last stage computed log-probs; share e_B with earlier stages.
-            dist.broadcast(t, src=self.groups.last_stage_global_rank(), group=self.groups.pp)
+            broadcast(t, self.groups.last_stage_global_rank(), self.groups.pp,
+                      "e_B: only the last stage computed log-probs")  # fmt: skip
         return tuple(None if v != v else v for v in t.tolist())
 
     # -- M2PO: the step's second-moment cut ----------------------------------------------------
@@ -280,12 +283,12 @@ class PolicyUpdate:
             # all of them (sizes first: the shares differ in length).
             n = torch.tensor([local.numel()], device=local.device)
             sizes = [torch.zeros_like(n) for _ in range(self.groups.layout.dp)]
-            dist.all_gather(sizes, n, group=self.groups.dp)
+            all_gather_into(sizes, n, self.groups.dp, "M2PO cut: the DP shares' sizes")
             width = int(max(int(x) for x in sizes))
             padded = torch.zeros(width, dtype=local.dtype, device=local.device)
             padded[: local.numel()] = local
             bufs = [torch.empty_like(padded) for _ in sizes]
-            dist.all_gather(bufs, padded, group=self.groups.dp)
+            all_gather_into(bufs, padded, self.groups.dp, "M2PO cut: every DP share's values")
             local = torch.cat([b[: int(k)] for b, k in zip(bufs, sizes)])
         cut, _ = m2_cut(local, self.objective.hyper.tau)
         return cut, float(local.numel() - int((local >= cut).sum()))
@@ -468,10 +471,8 @@ class PolicyUpdate:
         if not self.groups.layout.pp_enabled:
             return metrics
         box = [metrics if self.groups.is_last_stage() else None]
-        # PP group: loss, ratios, k3, entropy and the histogram exist on the last stage only.
-        dist.broadcast_object_list(
-            box, src=self.groups.last_stage_global_rank(), group=self.groups.pp
-        )
+        broadcast_objects(box, self.groups.last_stage_global_rank(), self.groups.pp,
+                          "the loss-side metrics exist on the last stage only")  # fmt: skip
         return box[0]
 
 

@@ -13,7 +13,6 @@ import re
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron_p3o.model.description import ModelDescription
 from megatron_p3o.model.hf.mapping import (
@@ -23,6 +22,7 @@ from megatron_p3o.model.hf.mapping import (
     tensor_maps,
     to_hf,
 )
+from megatron_p3o.runtime.collectives import all_gather_into
 from megatron_p3o.runtime.parallel import ParallelGroups
 
 _LOCAL_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
@@ -41,10 +41,11 @@ def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> to
     if tm.tp_dim is None or tp == 1:
         return local.detach()
     parts = [torch.empty_like(local) for _ in range(tp)]
-    # TP group (expert-TP for expert weights): every rank holds one slice of this tensor; the
-    # engine needs it whole.
-    dist.all_gather(
-        parts, local.detach().contiguous(), group=groups.expt_tp if expert else groups.tp
+    all_gather_into(
+        parts,
+        local.detach().contiguous(),
+        groups.expt_tp if expert else groups.tp,
+        "every TP (expert-TP) rank holds one slice; the engine needs it whole",
     )
     if local.is_cuda:  # the host waits for the gather: a rank cannot queue the next ones
         torch.cuda.current_stream().synchronize()  # ahead of its peers (nor their buffers)

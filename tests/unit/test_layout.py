@@ -108,3 +108,43 @@ def test_the_checker_sees_a_circle(tmp_path):
     edges = _imports(_modules(tmp_path))
     assert edges["megatron_p3o.a.x"] == {"megatron_p3o.a.y"}
     assert edges["megatron_p3o.a.y"] == {"megatron_p3o.a.x"}
+
+
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "barrier", "send", "recv", "send_object_list", "recv_object_list", "all_to_all", "reduce",
+    "gather", "scatter", "isend", "irecv", "batch_isend_irecv", "all_to_all_single",
+}  # fmt: skip
+
+
+def test_every_collective_goes_through_the_named_helpers():
+    """``torch.distributed`` collectives only in runtime/collectives.py, whose helpers all take
+    the group (no default: never the implicit world) and the reason."""
+    import inspect
+
+    from megatron_p3o.runtime import collectives
+
+    raw = []
+    for f in PKG.rglob("*.py"):
+        if f.name == "collectives.py" and f.parent.name == "runtime":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            fn = node.func if isinstance(node, ast.Call) else None
+            if (
+                isinstance(fn, ast.Attribute)
+                and fn.attr in COLLECTIVES
+                and isinstance(fn.value, ast.Name)
+                and fn.value.id == "dist"
+            ):
+                raw.append(f"{f.relative_to(ROOT)}:{node.lineno} dist.{fn.attr}")
+    assert not raw, raw
+    helpers = [
+        (n, f) for n, f in vars(collectives).items()
+        if inspect.isfunction(f) and not n.startswith("_") and f.__module__ == collectives.__name__
+    ]  # fmt: skip
+    assert len(helpers) >= 10
+    for name, f in helpers:
+        params = inspect.signature(f).parameters
+        assert "group" in params and params["group"].default is inspect.Parameter.empty, name
+        assert "why" in params and params["why"].default is inspect.Parameter.empty, name
