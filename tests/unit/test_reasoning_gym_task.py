@@ -12,7 +12,7 @@ import pytest
 
 rg = pytest.importorskip("reasoning_gym")
 
-from megatron_p3o.config.train_config import load_config  # noqa: E402
+from megatron_p3o.config.loading import load_config  # noqa: E402
 from megatron_p3o.data.tasks import chain_sum  # noqa: E402
 from megatron_p3o.data.tasks import reasoning_gym as task  # noqa: E402
 from megatron_p3o.reward import build_reward  # noqa: E402
