@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 import megatron_p3o.logprob.reference as reference_module
-import megatron_p3o.update.policy_update as pu
+import megatron_p3o.logprob.scoring as pu  # where the trainer calls the fused kernel
 from megatron_p3o.checkpoint.state import load_model_state
 from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs, output_layer_input
 from megatron_p3o.loss import build_objective
