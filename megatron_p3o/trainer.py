@@ -388,14 +388,16 @@ class Trainer:
         "reeval_groups",
         "replay_groups",
         "homogeneous_groups",
+        "staleness_tokens",
     )
+    # means over tokens: weighted by each rank's token count (ranks hold different counts)
+    _DP_TOKEN_MEANS = (("staleness_token_mean", "staleness_tokens"),)
     _DP_MEANS = (
         "reward_mean",
         "completion_len",
         "truncation_rate",
         "distinct_per_group",
         "staleness_mean",
-        "staleness_token_mean",
         "straddling_frac",
         "rollout_s",
         "rollout_wait_s",
@@ -408,12 +410,18 @@ class Trainer:
         if not self.groups.layout.dp_enabled:
             return
         keys = self._DP_SUMS + self._DP_MEANS
+        weighted = [(k, w) for k, w in self._DP_TOKEN_MEANS if k in out and w in out]
+        for k, w in weighted:  # Σ over ranks of mean_r · n_r, divided by Σ n_r below
+            out[k] = out[k] * out[w]
+        keys += tuple(k for k, _ in weighted)
         dev = self.groups.device
         t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
         all_sum(t, self.groups.dp, "rollout metrics: each DP rank made its own groups")
         for k, v in zip(keys, t.tolist()):
             if k in out:
-                out[k] = v if k in self._DP_SUMS else v / dp
+                out[k] = v if k in self._DP_SUMS or k in dict(weighted) else v / dp
+        for k, w in weighted:
+            out[k] = out[k] / max(out[w], 1.0)
         maxima = ("staleness_max", "staleness_token_max", "completion_len_max")
         m = torch.tensor([out[k] for k in maxima], dtype=torch.float64, device=dev)
         all_max(m, self.groups.dp, "the longest staleness and completion over every rank")
@@ -433,8 +441,12 @@ class Trainer:
         mine = list(range(self.groups.dp_rank, len(rows), self.groups.layout.dp))
         samples = self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling())
         score = torch.zeros(len(rows), dtype=torch.float64, device=self.groups.device)
-        for i, s in zip(mine, samples):
-            score[i] = float(self.reward_fn(self.decode(s.completion_ids), rows[i][1]))
+        texts = [self.decode(s.completion_ids) for s in samples]
+        # the training path's checks too (a failing or non-finite reward names the prompt)
+        for i, r in zip(
+            mine, score_samples(self.reward_fn, texts, [rows[i][1] for i in mine], mine)
+        ):
+            score[i] = r
         if self.groups.layout.dp_enabled:
             all_sum(score, self.groups.dp, "each DP rank evaluated a disjoint share of prompts")
         per_prompt = score.tolist()

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_p3o.reward.registry import RewardConfig
+from megatron_p3o.reward.registry import RewardConfig, score_samples
 from megatron_p3o.runtime.collectives import all_sum
 from megatron_p3o.runtime.errors import DataError
 from megatron_p3o.types import SamplingParams
@@ -126,14 +126,15 @@ def evaluate_sets(trainer, cfg: EvalConfig) -> Dict[str, float]:
             stop_token_ids=stops, seed=1000 + trainer.step_idx,
         )  # fmt: skip
         samples = trainer.generate_eval(prompts * s.n, sp) if prompts else []
-        for j, smp in enumerate(samples):
-            i = mine[j % len(mine)]
-            t[i, 0] += float(reward(trainer.decode(smp.completion_ids), rows[i][1]))
+        owner = [mine[j % len(mine)] for j in range(len(samples))]
+        for i, r in zip(owner, _rewards(trainer, reward, samples, rows, owner)):
+            t[i, 0] += r
             t[i, 1] += 1
         if s.greedy:
             gp = trainer.greedy_sampling(budget)
-            for i, smp in zip(mine, trainer.generate_eval(prompts, gp) if prompts else []):
-                t[i, 2] = float(reward(trainer.decode(smp.completion_ids), rows[i][1]))
+            greedy = trainer.generate_eval(prompts, gp) if prompts else []
+            for i, r in zip(mine, _rewards(trainer, reward, greedy, rows, mine)):
+                t[i, 2] = r
         if g.layout.dp_enabled:
             all_sum(t, g.dp, "each DP rank evaluated a disjoint share of the set's prompts")
         out.update(summarize(name, t.tolist(), s.n, s.k, s.greedy))
@@ -157,3 +158,10 @@ def summarize(
 def sets_due(cfg: EvalConfig, step: int, last: bool) -> bool:
     """Whether the sets are evaluated after ``step`` (every N steps and at the end)."""
     return bool(cfg.sets) and (last or (cfg.every > 0 and step % cfg.every == 0))
+
+
+def _rewards(trainer, reward, samples, rows, owner) -> list:
+    """Each sample's reward through the training path's checks (``score_samples``: a failing or
+    non-finite reward names the prompt), sample j answering prompt ``owner[j]``."""
+    texts = [trainer.decode(s.completion_ids) for s in samples]
+    return score_samples(reward, texts, [rows[i][1] for i in owner], owner)

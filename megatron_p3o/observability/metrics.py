@@ -254,6 +254,7 @@ def staleness(samples, trained: int) -> Dict[str, float]:
         "staleness_mean": sum(seq) / max(len(seq), 1),
         "staleness_max": float(max(seq, default=0)),
         "staleness_token_mean": sum(tok) / max(len(tok), 1),
+        "staleness_tokens": float(len(tok)),  # its weight in the mean over DP ranks
         "staleness_token_max": float(max(tok, default=0)),
         "straddling_frac": straddling / max(len(samples), 1),
     }

@@ -171,3 +171,17 @@ def dir_errors(groups, family, a: str, b: str):
         n: float((p.double() - pb_[n].double()).norm() / pb_[n].double().norm().clamp_min(1e-30))
         for n, p in ma.named_parameters()
     }
+
+
+def rollout_metrics_over_dp(groups, per_rank):
+    """``Trainer._reduce_rollout_metrics`` on this rank's rollout numbers ``per_rank[dp_rank]``
+    (the method reads only ``self.groups`` and its class tables)."""
+    from types import SimpleNamespace
+
+    from megatron_p3o.trainer import Trainer
+
+    out = dict(per_rank[groups.dp_rank])
+    me = SimpleNamespace(groups=groups, **{k: getattr(Trainer, k) for k in dir(Trainer)
+                                           if k.startswith("_DP_")})  # fmt: skip
+    Trainer._reduce_rollout_metrics(me, out)
+    return out
