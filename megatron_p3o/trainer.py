@@ -38,6 +38,7 @@ from megatron_p3o.rollout.backend import build_backend
 from megatron_p3o.rollout.config import RolloutShard
 from megatron_p3o.rollout.engine import check_behavior_semantics
 from megatron_p3o.rollout.replay import ReplayBuffer, TrajectoryFIFO
+from megatron_p3o.rollout.scheduler import RolloutScheduler
 from megatron_p3o.runtime.collectives import all_gather_objects, all_max, all_sum
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.parallel import ParallelGroups
@@ -496,8 +497,8 @@ class Trainer:
         g = self.groups
         mine = None
         if g.is_dp_leader:
-            replay = {**self.replay.state(), **self.fifo.state()}
-            mine = (g.dp_rank, {"rollout": self.rollout.state(), "replay": replay})
+            replay = {**self.replay.state_dict(), **self.fifo.state_dict()}
+            mine = (g.dp_rank, {"rollout": self.rollout.state_dict(), "replay": replay})
         parts = all_gather_objects(mine, g.world, "each DP rank has its own cursor and buffer; "
                                    "rank 0 stores them all in common.pt")  # fmt: skip
         ref = self.reference
@@ -543,27 +544,23 @@ class Trainer:
         dp, r = self.groups.layout.dp, self.groups.dp_rank
         if len(ranks) == dp:
             mine = ranks[str(r)]
-            self.data.load_state(mine["rollout"]["data"])
-            self.replay.load_state(mine["replay"])
-            self.fifo.load_state(mine["replay"])
+            self.data.load_state_dict(mine["rollout"]["data"])
+            self.replay.load_state_dict(mine["replay"])
+            self.fifo.load_state_dict(mine["replay"])
             return {k: mine["rollout"].get(k, []) for k in ("pending", "carried")}
-        old = [ranks[str(i)] for i in range(len(ranks))]
-        carried = [o["rollout"].get("carried", []) for o in old]
-        if any(carried):
-            say(f"dp {len(ranks)} -> {dp}: the {len(carried[0])} rollout batches made before the "
+        rollouts = [ranks[str(i)]["rollout"] for i in range(len(ranks))]
+        replays = [ranks[str(i)]["replay"] for i in range(len(ranks))]
+        sched = RolloutScheduler
+        carried = len(rollouts[0].get("carried", []))
+        if carried:
+            say(f"dp {len(ranks)} -> {dp}: the {carried} rollout batches made before the "
                 "checkpoint are made again with its weights")  # fmt: skip
-        cursors = [c[0]["data_state"] if c else o["rollout"]["data"] for o, c in zip(old, carried)]
-        self.data.load_state(remap_states(cursors, dp)[r])
-        stored = [x for o in old for x in o["replay"]["stored"]]
-        difficult = [x for o in old for x in o["replay"]["difficult"]]
-        difficult += [x for o in old for p in o["rollout"]["pending"] for x in p["reeval"]]
-        difficult += [
-            [g["index"], g["prompt_ids"], g["answer"]]
-            for c in carried for b in c for g in b["groups"] if g["source"] == "reeval"
-        ]  # fmt: skip
-        self.replay.load_state({"stored": stored[r::dp], "difficult": difficult[r::dp]})
-        fifo = [x for o in old for x in o["replay"].get("fifo", [])]
-        self.fifo.load_state({"fifo": fifo[r::dp]})
+        cursors = [sched.cursor_before_carried(st) for st in rollouts]
+        self.data.load_state_dict(remap_states(cursors, dp)[r])
+        owed = [x for st in rollouts for x in sched.pending_reevals(st)]
+        owed += [x for st in rollouts for x in sched.carried_reevals(st)]
+        self.replay.load_state_dict(ReplayBuffer.regroup(replays, owed, dp, r))
+        self.fifo.load_state_dict(TrajectoryFIFO.regroup(replays, dp, r))
         return {}
 
     def close(self) -> None:

@@ -4,9 +4,9 @@ resumable cursor.
 Every epoch is a seeded permutation of the whole file; DP rank r takes every dp-th prompt of the
 global order (its k-th prompt of an epoch is ``order[k·dp + r]``), so the shards are disjoint and
 together cover each epoch. Each rank keeps its own cursor (k, epoch): a rank that draws more
-prompts (DAPO dynamic sampling refills) moves ahead without overlapping the others. ``state()`` /
-``load_state()`` make the position part of a checkpoint; ``remap_states`` carries cursors across a
-change of DP size.
+prompts (DAPO dynamic sampling refills) moves ahead without overlapping the others.
+``state_dict()`` / ``load_state_dict()`` make the position part of a checkpoint; ``remap_states``
+carries cursors across a change of DP size.
 """
 
 from __future__ import annotations
@@ -128,11 +128,11 @@ class PromptData:
     def item(self, index: int) -> PromptItem:
         return PromptItem(index, self.encode(self.prompts[index]), self.answers[index])
 
-    def state(self) -> Dict[str, int]:
+    def state_dict(self) -> Dict[str, int]:
         """``pos`` counts this rank's prompts taken in ``epoch``; ``dp`` records the shard count."""
         return {"epoch": self.epoch, "pos": self.pos, "dp": self.dp_size}
 
-    def load_state(self, st: Dict[str, int]) -> None:
+    def load_state_dict(self, st: Dict[str, int]) -> None:
         if int(st.get("dp", self.dp_size)) != self.dp_size:
             raise CheckpointError(
                 f"data cursor was saved with dp={st['dp']}, this run has dp={self.dp_size}: "

@@ -94,10 +94,10 @@ class RolloutBackend(abc.ABC):
         update = self._sync(version) if sync else NoWeights()
         self.scheduler.publish(Publication(step, version, update, list(reeval)))
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """Batches made but not trained on, the data cursor after them, pending
         re-evaluations."""
-        return self.scheduler.state()
+        return self.scheduler.state_dict()
 
     def weights_state(self) -> Optional[dict]:
         """The rollout weights batches after a checkpoint are still due from, when older."""

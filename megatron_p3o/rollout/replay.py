@@ -14,7 +14,7 @@ teaches nothing, yet costs a full rollout. BAPO adapts the batch instead of wast
   batch keeps its size, so the micro-batch arithmetic holds).
 
 Policy ``none`` passes batches through untouched. Everything is deterministic (a function of the
-batches seen), and ``state()``/``load_state()`` put the buffer in the training checkpoint.
+batches seen), and ``state_dict()``/``load_state_dict()`` put the buffer in the training checkpoint.
 
 Policy ``fifo`` (ReVal, arXiv 2603.23355): a first-in-first-out buffer of single trajectories
 (:class:`TrajectoryFIFO`); every trainer step makes one update on the fresh batch, then one on a
@@ -160,13 +160,22 @@ class ReplayBuffer:
         stats["replay_stored"] = float(len(self.stored))
         return out, stats
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         return {
             "stored": [g.to_dict() for g in self.stored],
             "difficult": [list(x) for x in self.difficult],
         }
 
-    def load_state(self, st: dict) -> None:
+    @staticmethod
+    def regroup(states: List[dict], more_difficult: Sequence, dp: int, rank: int) -> dict:
+        """This rank's buffer at a new DP size ``dp`` from every old rank's ``state_dict()``:
+        the stored groups and the difficult prompts (then ``more_difficult``: re-evaluation
+        requests the old ranks still owed) of all of them, dealt out round-robin."""
+        stored = [x for s in states for x in s["stored"]]
+        difficult = [x for s in states for x in s["difficult"]] + list(more_difficult)
+        return {"stored": stored[rank::dp], "difficult": difficult[rank::dp]}
+
+    def load_state_dict(self, st: dict) -> None:
         self.stored = deque(Group.from_dict(d) for d in st["stored"])
         self.difficult = deque((int(i), list(p), str(a)) for i, p, a in st["difficult"])
         self._difficult_ids = {i for i, _, _ in self.difficult}
@@ -206,7 +215,7 @@ class TrajectoryFIFO:
         chosen = [self.items[i] for i in pick]
         return [s for s, _ in chosen], [a for _, a in chosen]
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         return {
             "fifo": [
                 {
@@ -225,7 +234,14 @@ class TrajectoryFIFO:
             ]
         }
 
-    def load_state(self, st: dict) -> None:
+    @staticmethod
+    def regroup(states: List[dict], dp: int, rank: int) -> dict:
+        """This rank's FIFO at a new DP size from every old rank's ``state_dict()`` (the
+        trajectories of all of them, dealt out round-robin)."""
+        fifo = [x for s in states for x in s.get("fifo", [])]
+        return {"fifo": fifo[rank::dp]}
+
+    def load_state_dict(self, st: dict) -> None:
         self.items = deque()
         for d in st.get("fifo", []):
             d = dict(d)

@@ -143,6 +143,30 @@ def test_resume_at_another_tensor_parallel_size(base, tmp_path):
     assert json.loads((tmp_path / "tp2" / "config.json").read_text())["parallel"]["tp"] == 2
 
 
+@pytest.mark.distributed
+def test_resume_at_another_data_parallel_size_regroups_the_rollout_state(base, tmp_path):
+    """Steps 1–2 on one process with async rollouts (K = 1) and BAPO's buffer, then step 3 on
+    two DP ranks: the data cursor is remapped, the buffers and owed re-evaluations are dealt out
+    to the two ranks (each component's ``regroup``), and the run trains on."""
+    import json
+    import shutil
+
+    sets = ("--set", "rollout.max_staleness=1", "--set", "replay.policy=bapo")
+    first = _train(base, tmp_path, "dp1", 2, *sets)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tmp_path / "dp1", tmp_path / "dp2")
+    code = (
+        "import runpy, sys; sys.argv = ['torchrun', '--nproc-per-node', '2', '--standalone', "
+        "'-m', 'megatron_p3o.train'] + sys.argv[1:]; runpy.run_module('torch.distributed.run', "
+        "run_name='__main__')"
+    )
+    two = _train(base, tmp_path, "dp2", 3, *sets, code=code)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    assert "dp=2" in two.stdout and "(step 2)" in two.stdout, two.stdout[-2000:]
+    m = [json.loads(x) for x in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in m] == [1, 2, 3] and m[-1]["n_tokens"] > 0
+
+
 def _corrupt(ckpt: Path, how: str) -> str:
     """Damage ``ckpt`` as a failing disk or a hand would; returns the file named."""
     shard = sorted(ckpt.glob("__0_*.distcp"))[0]
