@@ -119,7 +119,12 @@ class EmbeddedBackend(RolloutBackend):
     _eval_engine = None
 
     def evaluate(self, prompts, sampling, version, precision=None) -> List[Sample]:
-        if precision is not None and precision != self.engine.precision:
+        """Held-out completions. In the trainer's ``precision`` they come from a noise-free
+        engine whenever the rollout engine differs from the trainer's policy: another precision,
+        or a stress injection that perturbs the engine itself (logit noise, rounded weights),
+        even at the same precision — scores measure the policy, not the mismatch."""
+        injected = bool(self.engine.logit_noise or self.engine.rounding_step)
+        if precision is not None and (precision != self.engine.precision or injected):
             return self._evaluator(precision, version).generate(prompts, 1, sampling)
         pub = Publication(version - 1, version, self._sync(version))
         s = self.scheduler
