@@ -169,10 +169,9 @@ def main(argv=None) -> int:
     grid, where = resolve(load_grid(a.grid), a.out, a.set)
     todo = cells(grid)
     con = Console(soft_wrap=True)
-    for c in todo:
-        cell_config(grid, c)  # every cell must be a valid recipe before anything runs
+    configs = [cell_config(grid, c) for c in todo]  # every cell a valid recipe before anything runs
     if grid.base_hash and not (a.list or a.report_only or a.worker):
-        check_base(grid, cell_config(grid, todo[0]).model.checkpoint)
+        check_base(grid, configs[0].model.checkpoint)
     if a.worker:
         i, n = (int(x) for x in a.worker.split("/"))
         todo = todo[i::n]
