@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     from megatron_p3o.config.loading import load_config
 
-    cfg = load_config(a.recipe, a.set)
+    cfg = load_config(a.recipe, a.set).with_task_files()
     out = Path(a.out) if a.out else Path(cfg.run.dir) / cfg.run.name / "probe"
     _check_out(out)
     # the trainer's run directory: scratch under OUT (never resumes, never checkpoints), no W&B

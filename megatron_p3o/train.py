@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from megatron_p3o.config.loading import load_config
 
-    cfg = load_config(a.recipe, a.set)
+    cfg = load_config(a.recipe, a.set).with_task_files()
     if a.dry_run:  # world: --world-size, else the recipe's, else torchrun's, else one process
         from megatron_p3o.config.plan import dry_run
 

@@ -61,6 +61,7 @@ _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups):
+        cfg = cfg.with_task_files()  # a config built in code: its task's splits (else itself)
         self.cfg, self.groups = cfg, groups
         self.log = self.rollout = None
         self._eval_sets: Dict[str, list] = {}

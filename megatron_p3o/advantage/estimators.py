@@ -9,10 +9,12 @@ Each returns ``[B]`` (one value per sequence) and is broadcast to tokens by the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Dict, Literal
 
 import torch
 from torch import Tensor
+
+from megatron_p3o.runtime.fields import check_ranges
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,11 @@ class AdvantageConfig:
 
     kind: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     eps: float = 1e-6
+
+    RANGES: ClassVar[Dict[str, str]] = {"eps": ">= 0"}
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "advantage")
 
 
 KINDS = ("grpo", "dr_grpo", "rloo")

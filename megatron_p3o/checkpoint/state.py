@@ -14,7 +14,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import ClassVar, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from megatron_p3o.checkpoint.manifest import DAMAGED_SUFFIX, check_everywhere, w
 from megatron_p3o.runtime import mcore_compat
 from megatron_p3o.runtime.collectives import barrier
 from megatron_p3o.runtime.errors import CheckpointError, OutputExistsError
+from megatron_p3o.runtime.fields import check_ranges
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class CheckpointConfig:
 
     every: int = 50
     keep_last: int = 2
+
+    RANGES: ClassVar[Dict[str, str]] = {"every": ">= 0", "keep_last": ">= 0"}
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "checkpoint")
 
 
 DESCRIPTION_FILE = "model_description.json"

@@ -8,13 +8,11 @@ import dataclasses
 import difflib
 import re
 import typing
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import yaml
 
-from megatron_p3o.config.ranges import _choice, check_ranges
 from megatron_p3o.config.train_config import TrainConfig
 from megatron_p3o.runtime.errors import (
     ConfigError,
@@ -22,6 +20,7 @@ from megatron_p3o.runtime.errors import (
     one_line,
     read_user_text,
 )
+from megatron_p3o.runtime.fields import check_choice
 
 _FLOAT_LITERAL = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -48,7 +47,7 @@ def _coerce(path: str, value: Any, tp) -> Any:
     if origin is Literal:  # the choices live in the annotation, checked once here
         if isinstance(value, bool) and ("off" if not value else "on") in args:
             value = "off" if not value else "on"  # YAML 1.1 reads a bare off/on as a bool
-        _choice(path, value, args)
+        check_choice(path, value, args)
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -131,7 +130,8 @@ def _at(prefix: str, msg: str, names: Sequence[str]) -> str:
     """A component's own check (``__post_init__``) says ``temperature=0 …`` or
     ``sampling.temperature=0 …``; the user wrote ``rollout.sampling.temperature``: name it so."""
     if not prefix:
-        return f"config: {msg}"
+        head = re.match(r"[A-Za-z_]\w*", msg)
+        return msg if head and head.group(0) in names else f"config: {msg}"
     head = re.match(r"[A-Za-z_][\w.]*", msg)
     key = head.group(0) if head else ""
     if key.startswith(prefix + ".") or key == prefix:
@@ -161,41 +161,14 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 
 
 def load_config(path: Optional[str | Path], overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML recipe (or only defaults when ``path`` is None) and apply ``--set`` items."""
+    """Read a YAML recipe (or only defaults when ``path`` is None) and apply ``--set`` items.
+    Reads files and nothing else: each component's config checks its own fields as it is built
+    (``__post_init__``), :class:`TrainConfig` what spans components; a ``data.task``'s splits
+    are written by :meth:`TrainConfig.with_task_files`, which the entry points call."""
     data: dict = {}
     if path is not None:
         data = load_yaml_mapping(Path(path), "recipe")
-    cfg = _build(TrainConfig, apply_overrides(data, overrides))
-    check_ranges(cfg)  # before data.task writes its splits, and before anything is built
-    return resolve_task(cfg)
-
-
-def resolve_task(cfg: TrainConfig) -> TrainConfig:
-    """With ``data.task`` set: its splits written (once) as jsonl files under
-    ``{run.dir}/tasks/``, which become ``data.path`` and, unless given, ``data.eval_path``."""
-    d = cfg.data
-    if not d.task:
-        return cfg
-    if d.path:
-        raise ConfigError(f"data.task={d.task!r} and data.path={d.path!r}: set one of them")
-    if cfg.reward.kind not in ("reasoning_gym", "python"):
-        raise ConfigError(
-            f"data.task={d.task!r} is scored by its dataset: set reward.kind: reasoning_gym "
-            f"(got {cfg.reward.kind!r})"
-        )
-    for key, v in (
-        ("task_train_size", d.task_train_size),
-        ("task_heldout_size", d.task_heldout_size),
-    ):
-        if v < 1:
-            raise ConfigError(f"data.{key}={v} must be >= 1")
-    from megatron_p3o.data.tasks.reasoning_gym import materialize
-
-    train, held = materialize(
-        d.task, dict(d.task_args), d.task_format, d.task_seed, d.task_train_size,
-        d.task_heldout_size, Path(cfg.run.dir) / "tasks",
-    )  # fmt: skip
-    return replace(cfg, data=replace(d, path=str(train), eval_path=d.eval_path or str(held)))
+    return _build(TrainConfig, apply_overrides(data, overrides))
 
 
 def to_dict(cfg) -> dict:

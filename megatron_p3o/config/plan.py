@@ -430,7 +430,7 @@ def dry_run(
                 "rollout.sglang.tp_size (--dry-run prints the breakdown)"
             )
     d = cfg.data
-    if d.task:  # resolve_task wrote (or found) the splits when the recipe was loaded
+    if d.task:  # train.py wrote (or found) the splits: cfg.with_task_files()
         n_train, n_held = (len(Path(p).read_text().splitlines()) for p in (d.path, d.eval_path))
         lines.append(
             f"data: {d.task} ({d.task_format}) {dict(d.task_args)}, task seed {d.task_seed}: "

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import ClassVar, Dict, List, Optional
 
 from megatron_p3o.advantage.estimators import AdvantageConfig
 from megatron_p3o.checkpoint.state import CheckpointConfig
-from megatron_p3o.config.ranges import _check_url, _choice, check_ranges
 from megatron_p3o.data.prompts import DataConfig
 from megatron_p3o.evaluation.heldout import EvalConfig
 from megatron_p3o.logprob.reference import ReferenceConfig
@@ -24,9 +23,8 @@ from megatron_p3o.observability.run_log import WandbConfig, check_wandb
 from megatron_p3o.reward.registry import RewardConfig
 from megatron_p3o.rollout.config import RolloutConfig
 from megatron_p3o.rollout.replay import ReplayConfig
-from megatron_p3o.runtime.errors import (
-    ConfigError,
-)
+from megatron_p3o.runtime.errors import ConfigError
+from megatron_p3o.runtime.fields import check_ranges, check_url
 from megatron_p3o.runtime.parallel import ParallelConfig
 from megatron_p3o.update.batching import BatchConfig
 from megatron_p3o.update.optim import OptimConfig
@@ -88,50 +86,32 @@ class TrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     steps: int = 100
 
+    RANGES: ClassVar[Dict[str, str]] = {"steps": ">= 1"}
+
+    def __post_init__(self):
+        """Its own field, then what spans components and needs no environment (the rest:
+        :meth:`validate`, at launch)."""
+        check_ranges(self, self.RANGES, "")
+        if self.data.task and self.reward.kind not in ("reasoning_gym", "python"):
+            raise ConfigError(
+                f"data.task={self.data.task!r} is scored by its dataset: set reward.kind: "
+                f"reasoning_gym (got {self.reward.kind!r})"
+            )
+
+    def with_task_files(self) -> "TrainConfig":
+        """``data.task``'s splits written under ``{run.dir}/tasks/`` and named by ``data.path``
+        (:meth:`~megatron_p3o.data.prompts.DataConfig.with_task_files`); without a task, self."""
+        data = self.data.with_task_files(self.run.dir)
+        return self if data is self.data else replace(self, data=data)
+
     def validate(self, world_size: int) -> "TrainConfig":
         """Choices, ranges, layout and batch arithmetic; returns self."""
         from megatron_p3o.loss import build_objective
         from megatron_p3o.runtime.parallel import LayoutError
 
-        check_ranges(self)  # also for a config built in code, not loaded from a recipe
         check_wandb(self.wandb)  # no login: refused now, not after the model is built
         self._check_sglang(world_size)
-        if (
-            self.rollout.weight_sync == "disk"
-            and self.rollout.engine == "sglang"
-            and not self.rollout.weight_sync_dir
-        ):
-            raise ConfigError(
-                "rollout.weight_sync=disk needs rollout.weight_sync_dir (a directory every "
-                "node and the SGLang servers can read)"
-            )
-        _choice("optim.moments_dtype", self.optim.moments_dtype, ("float32", "bfloat16"))
-        if self.optim.moments_dtype != "float32" and not self.optim.distributed_optimizer:
-            raise ConfigError(
-                "optim.moments_dtype=bfloat16 (precision-aware optimizer) needs "
-                "optim.distributed_optimizer: true"
-            )
-        if self.rollout.fp8_kv_cache and not self.rollout.precision.startswith("fp8"):
-            raise ConfigError(
-                f"rollout.fp8_kv_cache needs an fp8 rollout.precision, got "
-                f"{self.rollout.precision!r}"
-            )
-        if self.rollout.weight_rounding_step and self.rollout.engine != "embedded":
-            raise ConfigError(
-                "rollout.weight_rounding_step rounds the embedded engine's copy of the weights; "
-                "SGLang has no such knob (use rollout.engine=embedded)"
-            )
-        if self.rollout.logit_noise and self.rollout.engine != "embedded":
-            raise ConfigError(
-                "rollout.logit_noise perturbs the embedded engine's logits; SGLang has no such "
-                "knob (use rollout.engine=embedded)"
-            )
-        try:
-            obj = build_objective(self.loss.objective, **self.loss.hyper)
-        except ValueError as e:
-            msg = str(e)
-            raise ConfigError(msg if msg.startswith("loss.") else f"loss: {msg}") from None
-        self._check_objective_sampling(obj)
+        self._check_objective_sampling(build_objective(self.loss.objective, **self.loss.hyper))
         if self.parallel.world_size is not None and self.parallel.world_size != world_size:
             raise ConfigError(
                 f"parallel.world_size={self.parallel.world_size}: the recipe is written for "
@@ -247,9 +227,9 @@ class TrainConfig:
                 "the trainer) or null"
             )
         if r.engine == "sglang":
-            _check_url("rollout.sglang.url", r.sglang.url)
+            check_url("rollout.sglang.url", r.sglang.url)
             for i, u in enumerate(r.sglang_workers):
-                _check_url(f"rollout.sglang_workers[{i}]", u)
+                check_url(f"rollout.sglang_workers[{i}]", u)
             self._check_sglang_device()
 
     def _check_sglang_device(self) -> None:

@@ -12,13 +12,14 @@ carries cursors across a change of DP size.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Tuple
+from typing import Any, ClassVar, Dict, List, Literal, Tuple
 
 import torch
 
-from megatron_p3o.runtime.errors import CheckpointError, DataError, InputFileError
+from megatron_p3o.runtime.errors import CheckpointError, ConfigError, DataError, InputFileError
+from megatron_p3o.runtime.fields import check_ranges
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,38 @@ class DataConfig:
     task_seed: int = 0
     task_train_size: int = 10000
     task_heldout_size: int = 500
+
+    RANGES: ClassVar[Dict[str, str]] = {
+        "eval_every": ">= 0",
+        "task_train_size": ">= 1",
+        "task_heldout_size": ">= 1",
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "data")
+
+    def with_task_files(self, run_dir: str) -> "DataConfig":
+        """With ``task`` set: its splits written (once) as jsonl files under
+        ``{run_dir}/tasks/``, which become ``path`` and, unless given, ``eval_path``. Without a
+        task, or once they are written, ``self``. The one step of a run that writes data files:
+        the entry points call it after loading the recipe (loading only reads)."""
+        if not self.task:
+            return self
+        from megatron_p3o.data.tasks.reasoning_gym import materialize, split_paths
+
+        args = (
+            self.task, dict(self.task_args), self.task_format, self.task_seed,
+            self.task_train_size, self.task_heldout_size, Path(run_dir) / "tasks",
+        )  # fmt: skip
+        train, held = split_paths(*args)
+        if self.path == str(train):
+            return self
+        if self.path:
+            raise ConfigError(
+                f"data.task={self.task!r} and data.path={self.path!r}: set one of them"
+            )
+        train, held = materialize(*args)
+        return replace(self, path=str(train), eval_path=self.eval_path or str(held))
 
 
 @dataclass

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import ClassVar, Dict, List, Optional, Sequence
 
 import torch
 
 from megatron_p3o.reward.registry import RewardConfig, score_samples
 from megatron_p3o.runtime.collectives import all_sum
 from megatron_p3o.runtime.errors import DataError
+from megatron_p3o.runtime.fields import check_ranges
 from megatron_p3o.types import SamplingParams
 
 
@@ -76,6 +77,11 @@ class EvalConfig:
 
     sets: Dict[str, EvalSetConfig] = field(default_factory=dict)
     every: int = 0
+
+    RANGES: ClassVar[Dict[str, str]] = {"every": ">= 0"}
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "eval")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

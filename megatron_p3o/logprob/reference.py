@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import ClassVar, Dict, List, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ from megatron_p3o.logprob.scoring import score_responses
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.description import ModelDescription
 from megatron_p3o.model.forward import MicroBatch
+from megatron_p3o.runtime.fields import check_ranges
 from megatron_p3o.runtime.parallel import ParallelGroups
 
 PREFIX = "reference."
@@ -41,9 +42,10 @@ class ReferenceConfig:
     enabled: Optional[bool] = None
     reset_every: int = 0
 
+    RANGES: ClassVar[Dict[str, str]] = {"reset_every": ">= 0"}
+
     def __post_init__(self):
-        if self.reset_every < 0:
-            raise ValueError(f"reference.reset_every={self.reset_every} must be >= 0")
+        check_ranges(self, self.RANGES, "reference")
 
     @staticmethod
     def needed(objective, r2po_enabled: bool) -> bool:

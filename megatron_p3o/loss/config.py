@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Optional
+from typing import Any, ClassVar, Dict, Literal, Optional
+
+from megatron_p3o.runtime.errors import ConfigError
+from megatron_p3o.runtime.fields import check_ranges
 
 
 @dataclass(frozen=True)
@@ -31,8 +34,15 @@ class LossConfig:
     prepass_fuse: int = 4
     old_logprobs: Literal["recompute", "behaviour"] = "recompute"
 
+    RANGES: ClassVar[Dict[str, str]] = {"prepass_fuse": ">= 1", "logprob_chunk": ">= 1"}
+
     def __post_init__(self):
-        if self.prepass_fuse < 1:
-            raise ValueError(f"loss.prepass_fuse={self.prepass_fuse} must be >= 1")
-        if self.logprob_chunk is not None and self.logprob_chunk < 1:
-            raise ValueError(f"loss.logprob_chunk={self.logprob_chunk} must be >= 1")
+        """Ranges, and the objective's name and hyper-parameters (its dataclass checks them)."""
+        from megatron_p3o.loss.registry import build_objective
+
+        check_ranges(self, self.RANGES, "loss")
+        try:
+            build_objective(self.objective, **self.hyper)
+        except ValueError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith("loss.") else f"loss: {msg}") from None

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import ClassVar, Dict, List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron_p3o.model.description import ModelDescription
 from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.runtime.fields import check_ranges
 from megatron_p3o.runtime.parallel import LayoutError, ParallelGroups
 
 
@@ -52,6 +53,11 @@ class ModelConfig:
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
     fused_logprob: bool = True
+
+    RANGES: ClassVar[Dict[str, str]] = {"seq_length": ">= 2", "moe_aux_loss_coeff": ">= 0"}
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "model")
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

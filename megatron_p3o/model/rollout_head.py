@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import ClassVar, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from torch import Tensor
 
 from megatron_p3o.logprob.fused import SumGradOverTP
 from megatron_p3o.runtime.collectives import all_gather_into, all_sum
+from megatron_p3o.runtime.fields import check_ranges
 from megatron_p3o.runtime.parallel import LayoutError, ParallelGroups
 
 HF_W1, HF_W2 = "rollout_head.w1.weight", "rollout_head.w2.weight"
@@ -43,6 +44,16 @@ class HeadOptimConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     init_std: float = 1e-6
+
+    RANGES: ClassVar[Dict[str, str]] = {
+        "lr": "> 0",
+        "weight_decay": ">= 0",
+        "clip_grad": ">= 0",
+        "init_std": ">= 0",
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "r2po.head")
 
 
 def residual_features(h: Tensor, w1: Tensor, tp_group=None) -> Tensor:

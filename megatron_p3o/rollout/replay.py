@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import ClassVar, Dict, List, Sequence, Tuple
 
 import torch
 
+from megatron_p3o.runtime.errors import ConfigError
+from megatron_p3o.runtime.fields import check_choice, check_ranges
 from megatron_p3o.types import Group, Sample, routes_in, routes_out
 
 
@@ -60,24 +62,27 @@ class ReplayConfig:
     fifo_capacity: int = 5120
     fifo_batch: int = 0
 
-    def check(self) -> None:
-        if self.policy not in ("none", "bapo", "fifo"):
-            raise ValueError(f"replay.policy={self.policy!r}; choose 'none', 'bapo' or 'fifo'")
-        names = ("capacity", "max_reuse", "max_age", "reeval_per_step", "difficult_capacity")
-        for name in names + ("fifo_batch",):
-            if getattr(self, name) < 0:
-                raise ValueError(f"replay.{name}={getattr(self, name)} must be >= 0")
-        if self.fifo_capacity < 1:
-            raise ValueError(f"replay.fifo_capacity={self.fifo_capacity} must be >= 1")
+    RANGES: ClassVar[Dict[str, str]] = {
+        "capacity": ">= 0",
+        "max_reuse": ">= 0",
+        "max_age": ">= 0",
+        "reeval_per_step": ">= 0",
+        "difficult_capacity": ">= 0",
+        "fifo_batch": ">= 0",
+        "fifo_capacity": ">= 1",
+    }
+
+    def __post_init__(self):
+        check_choice("replay.policy", self.policy, ("none", "bapo", "fifo"))
+        check_ranges(self, self.RANGES, "replay")
         if not self.quality_min <= self.quality_max:
-            raise ValueError(
+            raise ConfigError(
                 f"replay.quality_min={self.quality_min} > quality_max={self.quality_max}"
             )
 
 
 class ReplayBuffer:
     def __init__(self, cfg: ReplayConfig):
-        cfg.check()
         self.cfg = cfg
         self.stored: deque = deque()  # high-quality groups, oldest first
         self.difficult: deque = deque()  # (index, prompt_ids, answer) of difficult prompts

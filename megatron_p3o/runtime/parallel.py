@@ -15,12 +15,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_p3o.runtime.errors import UserError
+from megatron_p3o.runtime.fields import check_ranges
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,19 @@ class ParallelConfig:
     world_size: Optional[int] = None
     ep: int = 1
     etp: Optional[int] = None
+
+    RANGES: ClassVar[Dict[str, str]] = {
+        "tp": ">= 1",
+        "pp": ">= 1",
+        "cp": ">= 1",
+        "ep": ">= 1",
+        "vpp": ">= 1",
+        "etp": ">= 1",
+        "world_size": ">= 1",
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "parallel")
 
     def layout(self) -> "Layout":
         return Layout(

@@ -402,4 +402,4 @@ def _cell_config(grid: GridConfig, cell: Cell, world_size: int) -> TrainConfig:
             if k not in pinned
         ]
         cfg = load_config(grid.base, cell.overrides + run + ports)
-    return cfg.validate(world_size)
+    return cfg.with_task_files().validate(world_size)

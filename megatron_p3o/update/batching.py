@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_p3o.model.forward import MicroBatch
 from megatron_p3o.runtime.collectives import all_max, all_sum
 from megatron_p3o.runtime.errors import DataError
+from megatron_p3o.runtime.fields import check_ranges
 from megatron_p3o.runtime.parallel import ParallelGroups
 from megatron_p3o.types import Sample
 from megatron_p3o.update.balance import agree_on_count, balance_over_dp, imbalance, pack_by_budget
@@ -56,9 +57,16 @@ class BatchConfig:
     balance_dp: bool = True
     mask_truncated: bool = False
 
+    RANGES: ClassVar[Dict[str, str]] = {
+        "prompts_per_rollout": ">= 1",
+        "minibatches": ">= 1",
+        "epochs": ">= 1",
+        "micro_batch_size": ">= 1",
+        "max_tokens_per_gpu": ">= 1",
+    }
+
     def __post_init__(self):
-        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
-            raise ValueError(f"batch.max_tokens_per_gpu={self.max_tokens_per_gpu} must be >= 1")
+        check_ranges(self, self.RANGES, "batch")
 
 
 # Transformer Engine's FP8 GEMMs need each rank's token rows divisible by 8 (16 for some

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import ClassVar, Dict, List, Sequence
 
 import torch
 
 from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.runtime.errors import ConfigError
+from megatron_p3o.runtime.fields import check_choice, check_ranges
 from megatron_p3o.runtime.parallel import ParallelGroups
 
 
@@ -56,6 +58,33 @@ class OptimConfig:
     lr_decay_style: str = "constant"
     moments_dtype: str = "float32"
     log_update_size: bool = False
+
+    RANGES: ClassVar[Dict[str, str]] = {
+        "lr": "> 0",
+        "min_lr": ">= 0",
+        "weight_decay": ">= 0",
+        "adam_beta1": "in [0, 1)",
+        "adam_beta2": "in [0, 1)",
+        "adam_eps": "> 0",
+        "clip_grad": ">= 0",
+        "lr_warmup_steps": ">= 0",
+        "lr_decay_steps": ">= 1",
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "optim")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr} must be <= optim.lr={self.lr}")
+        check_choice(
+            "optim.lr_decay_style", self.lr_decay_style,
+            ("constant", "linear", "cosine", "inverse-square-root"),
+        )  # fmt: skip
+        check_choice("optim.moments_dtype", self.moments_dtype, ("float32", "bfloat16"))
+        if self.moments_dtype != "float32" and not self.distributed_optimizer:
+            raise ConfigError(
+                "optim.moments_dtype=bfloat16 (precision-aware optimizer) needs "
+                "optim.distributed_optimizer: true"
+            )
 
 
 def wrap_ddp(

@@ -22,7 +22,7 @@ optimizer steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import ClassVar, Dict
 
 import torch
 
@@ -32,6 +32,7 @@ from megatron_p3o.loss.config import LossConfig
 from megatron_p3o.loss.ess import EmptyStepError
 from megatron_p3o.model.rollout_head import HeadOptimConfig, RolloutHead
 from megatron_p3o.observability.metrics import combine_optimizer_steps
+from megatron_p3o.runtime.fields import check_ranges
 from megatron_p3o.update.optim import over_epochs, zero_grads
 from megatron_p3o.update.policy_update import PolicyUpdate
 
@@ -54,7 +55,10 @@ class R2POConfig:
     head_kl_coef: float = 0.04
     head: HeadOptimConfig = field(default_factory=HeadOptimConfig)
 
+    RANGES: ClassVar[Dict[str, str]] = {"head_clip": "> 0", "head_kl_coef": ">= 0"}
+
     def __post_init__(self):
+        check_ranges(self, self.RANGES, "r2po")
         if self.head_steps < 0 or self.policy_steps < 0 or self.head_steps + self.policy_steps < 1:
             raise ValueError(
                 f"r2po.head_steps={self.head_steps}, policy_steps={self.policy_steps}: both "

@@ -163,6 +163,28 @@ def _write_jsonl(rows: List[dict], path: Path) -> None:
     os.replace(tmp, path)  # atomic: every rank may write the same file, none reads it half-made
 
 
+def split_paths(
+    task: str,
+    args: Dict[str, Any],
+    fmt: str,
+    seed: int,
+    n_train: int,
+    n_heldout: int,
+    root: Path,
+) -> Tuple[Path, Path]:
+    """Where :func:`materialize` writes the task's (train.jsonl, heldout.jsonl); writes nothing."""
+    import importlib.metadata
+
+    name = dataset_name(task)
+    task_format(fmt)
+    key = json.dumps(
+        [name, args, fmt, seed, n_train, n_heldout, importlib.metadata.version("reasoning-gym")],
+        sort_keys=True,
+    )
+    out = Path(root) / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return out / "train.jsonl", out / "heldout.jsonl"
+
+
 def materialize(
     task: str,
     args: Dict[str, Any],
@@ -177,16 +199,9 @@ def materialize(
     The directory name hashes everything the rows depend on (reasoning-gym's version too), so a
     changed argument never reads stale rows.
     """
-    import importlib.metadata
-
     name = dataset_name(task)
-    task_format(fmt)
-    key = json.dumps(
-        [name, args, fmt, seed, n_train, n_heldout, importlib.metadata.version("reasoning-gym")],
-        sort_keys=True,
-    )
-    out = Path(root) / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    train_p, held_p = out / "train.jsonl", out / "heldout.jsonl"
+    train_p, held_p = split_paths(task, args, fmt, seed, n_train, n_heldout, root)
+    out = train_p.parent
     if train_p.is_file() and held_p.is_file():
         return train_p, held_p
     train, held = splits(name, args, seed, n_train, n_heldout)
