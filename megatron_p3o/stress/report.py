@@ -14,7 +14,7 @@ from megatron_p3o.stress.dose import dose_section, plot_dose
 from megatron_p3o.stress.grid import REPORTING_NOISE, GridConfig, arm_of, reports_noise
 from megatron_p3o.stress.long_run import long_run_section, plot_eval_curves
 from megatron_p3o.stress.lr_sweep import arm_scores, chosen_rates, lr_section
-from megatron_p3o.stress.mechanisms import mechanisms_section
+from megatron_p3o.stress.mechanisms import epoch_rows, epoch_section, mechanisms_section
 from megatron_p3o.stress.plots import (
     _is_p3o,
     _stats,
@@ -490,6 +490,10 @@ def write_report(
     md += [""] + lr_section(grid, cells, _base_lr(grid))
     md += [""] + dose_section(grid, cells)
     md += [""] + mechanisms_section(grid, cells)
+    erows = epoch_rows(grid, cells, chosen_rates(grid, cells, _base_lr(grid)))
+    if erows:
+        write_csv(out / "epochs.csv", erows)
+    md += [""] + epoch_section(grid, erows)
     md += [""] + long_run_section(grid, cells)
     md += [
         "",
