@@ -359,6 +359,41 @@ def _base_lr(grid: GridConfig):
 _NOT_IN_CSV = ("final_per_prompt", "eval_curve")  # lists, kept in each cell.json
 
 
+def power_section(grid: GridConfig, cells: List[dict], delta: float = 0.05) -> List[str]:
+    """Per setting: the median seed s.d. of its declared paired differences and the test seeds
+    a call would need — 80% power for a true gap of ``delta`` (superiority) and for the TOST at
+    the grid's margin when the arms are truly equal — at α 0.05 and at α 0.05/m (the first Holm
+    step over the family's m comparisons, a lower bound of what the corrected test needs)."""
+    from megatron_p3o.stress.stats import seeds_for_equivalence, seeds_for_power
+
+    rows = [r for r in v4_tests(grid, cells, _base_lr(grid))[0] if r[-1] is not None]
+    if not rows:
+        return []
+    m, margin = len(rows), grid.equivalence_margin
+    n = len(grid.lr_select.test_seeds) if grid.lr_select else len(grid.seeds)
+    lines = [
+        f"### Seeds a call would need (the family's m = {m}; {n} test seeds ran)",
+        "",
+        f"| setting | median paired s.d. | superiority Δ = {delta:g}: α 0.05 | α 0.05/m | "
+        f"equivalence ±{margin:g}: α 0.05 | α 0.05/m |",
+        "|---" * 6 + "|",
+    ]
+    for mm in grid.mismatch:
+        sds = sorted(r[-1].sd for r in rows if r[1] == mm)
+        if not sds:
+            continue
+        sd = max(sds[len(sds) // 2], 1e-6)
+        cells_ = [
+            seeds_for_power(delta, sd),
+            seeds_for_power(delta, sd, alpha=0.05 / m),
+            seeds_for_equivalence(sd, margin),
+            seeds_for_equivalence(sd, margin, alpha=0.05 / m),
+        ]
+        text = [str(c) if c < 200 else "≥ 200" for c in cells_]
+        lines.append(f"| {mm} | {sd:.3f} | " + " | ".join(text) + " |")
+    return lines
+
+
 def write_report(
     grid: GridConfig, cells: List[dict], steps: Dict[str, List[dict]], wall_s: float, grid_path: str
 ) -> Path:
@@ -460,22 +495,27 @@ def write_report(
         md += [grid.notes.strip(), "", "Computed from the tables below:", ""]
     md += sentences + findings(grid, cells)
     if grid.v4:
-        md += [
-            "",
-            "## Headline: the declared comparisons (paired by seed)",
-            "",
-            "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit of "
-            "inference is the seed (each a full training run). Differences arm − comparator "
-            "are paired per seed"
-            + (
-                f", on the test seeds {', '.join(map(str, grid.lr_select.test_seeds))} at each "
-                "arm's rate chosen on the others"
-                if grid.lr_select
-                else ""
-            )
-            + "; 95% t-interval over seeds.",
-            "",
-        ] + table
+        md += (
+            [
+                "",
+                "## Headline: the declared comparisons (paired by seed)",
+                "",
+                "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit of "
+                "inference is the seed (each a full training run). Differences arm − comparator "
+                "are paired per seed"
+                + (
+                    f", on the test seeds {', '.join(map(str, grid.lr_select.test_seeds))} at each "
+                    "arm's rate chosen on the others"
+                    if grid.lr_select
+                    else ""
+                )
+                + "; 95% t-interval over seeds.",
+                "",
+            ]
+            + table
+            + [""]
+            + power_section(grid, cells)
+        )
     else:
         md += [
             "",
