@@ -33,6 +33,17 @@ def _cells(report_dir: Path) -> list:
     return rows
 
 
+def _what(spec, grid_name: str) -> str:
+    chain = ", 27-61-token completions" if "chain" in grid_name else ""
+    if spec.family == "baseline":
+        return f"embedded bf16 engine (the control){chain}"
+    if spec.family == "logit_noise":
+        return f"engine logit noise σ {spec.level:g}{chain}"
+    if spec.family == "weight_rounding":
+        return f"engine's weights rounded per channel to {spec.level:.3g}·max|w| (fp32 engine)"
+    return f"{spec.family} {spec.level:g}{chain}"
+
+
 def levels(grid_path: str, report_dir: str) -> list:
     from megatron_p3o.stress.grid import arm_of, load_grid
     from megatron_p3o.stress.report import _base_lr, adjust_family, v4_tests
@@ -71,7 +82,7 @@ def levels(grid_path: str, report_dir: str) -> list:
                 "setting": mm if grid.name.endswith("v4_tiny_cpu") else f"chain {mm}",
                 "grid": grid.name,
                 "task": "reasoning_gym:chain_sum" if "chain" in grid.name else "arithmetic",
-                "what": f"{spec.family} level {spec.level:g}",
+                "what": _what(spec, grid.name),
                 "per_token": round(mean("probe_abs_dlogp"), 4),
                 "per_sequence": round(mean("probe_abs_seq_dlogp"), 4),
                 "kl": float(f"{mean('probe_kl_b_theta'):.3g}"),
@@ -90,7 +101,7 @@ def main(argv) -> None:
         sys.exit("usage: verdict_levels.py GRID REPORT_DIR [GRID REPORT_DIR ...]")
     for g, d in zip(argv[::2], argv[1::2]):
         for lv in levels(g, d):
-            pprint.pprint(lv, width=100, sort_dicts=False)
+            pprint.pprint(lv, width=92, sort_dicts=False)
 
 
 if __name__ == "__main__":

@@ -500,9 +500,9 @@ def write_report(
                 "",
                 "## Headline: the declared comparisons (paired by seed)",
                 "",
-                "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit of "
-                "inference is the seed (each a full training run). Differences arm − comparator "
-                "are paired per seed"
+                "Final held-out accuracy (greedy, trainer precision), mean ± seed s.d.; the unit "
+                "of inference is the seed (each a full training run). Differences arm − "
+                "comparator are paired per seed"
                 + (
                     f", on the test seeds {', '.join(map(str, grid.lr_select.test_seeds))} at each "
                     "arm's rate chosen on the others"
