@@ -15,7 +15,7 @@ setup(
         # constraints-cpu.txt so nothing pulls a CUDA wheel.
         "torch>=2.6,<2.15",
         # 0.16.1 is the newest for Python 3.11 and the version tested on CPU; 0.17+ needs 3.12.
-        # Version-specific calls live in megatron_p3o/mcore_compat.py.
+        # Version-specific calls live in megatron_p3o/runtime/mcore_compat.py.
         "megatron-core==0.16.1; python_version < '3.12'",
         "megatron-core>=0.16.1,<0.20; python_version >= '3.12'",
         "psutil",  # without it a dist_checkpointing save hangs forever

@@ -34,7 +34,7 @@ def worker(task: str, root: Path) -> dict:
     import torch  # noqa: F401
 
     if task != "read":
-        from megatron_p3o.parallel import Layout, initialize
+        from megatron_p3o.runtime.parallel import Layout, initialize
 
         groups = initialize(Layout())
         # import everything the conversion uses before the baseline is read

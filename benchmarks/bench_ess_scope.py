@@ -30,18 +30,19 @@ def main():
     from rich.table import Table
 
     from megatron_p3o.loss import build_objective
+    from megatron_p3o.loss.config import LossConfig
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
     from megatron_p3o.model.forward import next_token_targets
-    from megatron_p3o.optim import (
+    from megatron_p3o.runtime.parallel import Layout, initialize
+    from megatron_p3o.update.optim import (
         OptimConfig,
         build_optimizer,
         build_scheduler,
         wrap_ddp,
         zero_grads,
     )
-    from megatron_p3o.parallel import Layout, initialize
-    from megatron_p3o.policy_update import LossConfig, PolicyUpdate
+    from megatron_p3o.update.policy_update import PolicyUpdate
 
     groups = initialize(Layout())
     desc = ModelDescription(

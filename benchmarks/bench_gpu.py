@@ -63,7 +63,7 @@ def _time(fn, device, reps):
 def bench_logprob(a, device, groups) -> dict:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_p3o.loss.logprob import vocab_parallel_logprobs
+    from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
 
     g = torch.Generator(device=device).manual_seed(0)
     base = torch.randn(a.tokens, a.vocab, generator=g, device=device, dtype=torch.bfloat16)
@@ -183,8 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     a = ap.parse_args(argv)
-    from megatron_p3o.parallel import Layout, initialize
-    from megatron_p3o.quiet import silence_known_warnings
+    from megatron_p3o.observability.quiet import silence_known_warnings
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     silence_known_warnings()
     device = torch.device(a.device)

@@ -3,10 +3,10 @@
 **Last stage** (the default): the trainer's whole last-stage cost per micro-batch — the output
 layer's matmul, ℓθ, the metric entropy (no gradient) and the backward into h and W — for
 
-- ``fused``: :func:`~megatron_p3o.loss.fused_logprob.fused_vocab_parallel_logprobs` (the logits
+- ``fused``: :func:`~megatron_p3o.logprob.fused.fused_vocab_parallel_logprobs` (the logits
   never exist whole: chunks of ≈ 16 MB, recomputed in the backward; the trainer's default);
 - ``unfused``: the logits materialised by the matmul, then
-  :func:`~megatron_p3o.loss.logprob.vocab_parallel_logprobs` with its in-place backward;
+  :func:`~megatron_p3o.logprob.kernels.vocab_parallel_logprobs` with its in-place backward;
 - ``slime``: the same materialised logits into slime's own ``calculate_log_probs_and_entropy``
   (``slime/utils/ppo_utils.py``, loaded at run time from a slime checkout given by ``--slime``
   or ``$SLIME_REPO``: a work tree or a bare git directory; its code is not part of this project).
@@ -108,7 +108,7 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
     import torch
     import torch.distributed as dist
 
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     groups = initialize(Layout(tp=tp))
@@ -223,9 +223,9 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     import torch
     import torch.distributed as dist
 
-    from megatron_p3o.loss.fused_logprob import fused_vocab_parallel_logprobs, output_layer_input
-    from megatron_p3o.loss.logprob import vocab_parallel_logprobs
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs, output_layer_input
+    from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     groups = initialize(Layout(tp=tp))
@@ -310,7 +310,7 @@ def last_stage_main(a) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from megatron_p3o.ports import free_port
+    from megatron_p3o.runtime.ports import free_port
 
     slime = a.slime or os.environ.get("SLIME_REPO", "")
     variants = [v for v in LAST_STAGE if v != "slime" or slime]

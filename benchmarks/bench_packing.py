@@ -54,20 +54,20 @@ def main():
     from rich.console import Console
     from rich.table import Table
 
-    from megatron_p3o.batching import BatchConfig, MicroBatcher
     from megatron_p3o.loss import build_objective
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
     from megatron_p3o.model.forward import forward_backward
-    from megatron_p3o.optim import (
+    from megatron_p3o.runtime.parallel import Layout, initialize
+    from megatron_p3o.update.batching import BatchConfig, MicroBatcher
+    from megatron_p3o.update.optim import (
         OptimConfig,
         build_optimizer,
         build_scheduler,
         wrap_ddp,
         zero_grads,
     )
-    from megatron_p3o.parallel import Layout, initialize
-    from megatron_p3o.policy_update import PolicyUpdate
+    from megatron_p3o.update.policy_update import PolicyUpdate
 
     groups = initialize(Layout())
     seq_length = 128 + a.max_new

@@ -13,6 +13,11 @@ CPU build). Runs alternate ours / TRL ``--reps`` times; the first ``--warmup`` s
 are dropped, a run's time is its median step, and each side's best run is reported.
 
     python benchmarks/bench_peer_trl.py [--steps 20 --reps 3 --trl-micro 32 --set k=v ...]
+                                        [--before DIR]
+
+``--before DIR``: another checkout of this project (e.g. ``git worktree add DIR <commit>``, the
+code before a change) runs the same recipe in the same loop, interleaved (ours, before, TRL per
+rep), so a change's cost shows as ``before`` against ``ours`` and both against TRL in one run.
 
 Phases. TRL: ``generate`` is the time inside ``_generate_and_score_completions`` (tokenising,
 generate, decoding, reward, advantages); ``train`` the rest of the optimizer step. Ours:
@@ -57,15 +62,16 @@ def _env() -> dict:
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 
-def _ours(base: Path, work: Path, steps: int, seed: int, sets) -> list:
-    cmd = [sys.executable, "-m", "megatron_p3o.train", str(ROOT / "recipes" / "tiny_cpu.yaml")]
+def _ours(base: Path, work: Path, steps: int, seed: int, sets, root: Path = ROOT) -> list:
+    """Our recipe from the checkout ``root`` (``python -m`` there imports that checkout's code)."""
+    cmd = [sys.executable, "-m", "megatron_p3o.train", str(root / "recipes" / "tiny_cpu.yaml")]
     for kv in (f"model.checkpoint={base / 'ckpt'}", f"data.path={base / 'train.jsonl'}",
                f"data.eval_path={base / 'heldout.jsonl'}", f"run.dir={work}", f"steps={steps}",
                "data.eval_every=0", f"run.seed={seed}", *sets):  # fmt: skip
         cmd += ["--set", kv]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=root)
     if r.returncode:
-        sys.exit(f"our run failed:\n{r.stderr[-2000:]}")
+        sys.exit(f"our run ({root}) failed:\n{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in open(next(work.glob("*/metrics.jsonl")))]
     out = []
     for m in rows:
@@ -109,6 +115,7 @@ def main() -> None:
     ap.add_argument("--trl-micro", type=int, default=32, help="TRL completions per micro-batch")
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--set", action="append", default=[], help="key=value for our recipe")
+    ap.add_argument("--before", help="another checkout of this project, run interleaved")
     args = ap.parse_args()
 
     from rich.console import Console
@@ -121,15 +128,18 @@ def main() -> None:
         make = [sys.executable, str(ROOT / "tools" / "make_tiny_base.py"), "--out", str(base)]
         subprocess.run(make, check=True, env=_env(), cwd=ROOT)
     py = _trl_python(Path(args.venv))
-    runs = {"ours": [], "trl": []}
+    runs = {"ours": [], **({"before": []} if args.before else {}), "trl": []}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         for rep in range(args.reps):
-            for side in ("ours", "trl"):
+            for side in runs:
                 work = Path(tmp) / f"{side}{rep}"
                 work.mkdir()
                 console.print(f"rep {rep + 1}/{args.reps}: {side} ({args.steps} steps)")
                 if side == "ours":
                     rows = _ours(base, work, args.steps, 1 + rep, args.set)
+                elif side == "before":
+                    before = Path(args.before).resolve()
+                    rows = _ours(base, work, args.steps, 1 + rep, args.set, root=before)
                 else:
                     rows = _trl(py, base, work, args.steps, 1 + rep, args.trl_micro, args.lr)
                 runs[side].append(_summary(rows, args.warmup))
@@ -142,10 +152,17 @@ def main() -> None:
                       f"{s['tokens']:.0f}", f"{s['reward_last5']:.3f}")  # fmt: skip
     console.print(table)
     o, t = best["ours"], best["trl"]
+    extra = ""
+    if "before" in best:
+        b = best["before"]
+        extra = (
+            f" before_vs_trl_step={b['step_s'] / t['step_s']:.2f}"
+            f" ours_vs_before_step={o['step_s'] / b['step_s']:.3f}"
+        )
     print(
         f"RESULT ours_vs_trl_step={o['step_s'] / t['step_s']:.2f} "
         f"ours_vs_trl_generate={o['generate_s'] / t['generate_s']:.2f} "
-        f"ours_vs_trl_train={o['train_s'] / t['train_s']:.2f}"
+        f"ours_vs_trl_train={o['train_s'] / t['train_s']:.2f}" + extra
     )
 
 

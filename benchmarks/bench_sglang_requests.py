@@ -51,9 +51,9 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers.utils import logging as hf_logging
 
-    from megatron_p3o.ports import free_port
     from megatron_p3o.rollout.embedded import EmbeddedEngine
     from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
+    from megatron_p3o.runtime.ports import free_port
     from megatron_p3o.types import SamplingParams
 
     hf_logging.set_verbosity_error()

@@ -51,10 +51,10 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers.utils import logging as hf_logging
 
-    from megatron_p3o.hf.safetensors_io import HFShardedWriter
-    from megatron_p3o.ports import free_port
+    from megatron_p3o.model.hf.safetensors_io import HFShardedWriter
     from megatron_p3o.rollout.embedded import EmbeddedEngine
     from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
+    from megatron_p3o.runtime.ports import free_port
     from megatron_p3o.types import SamplingParams
     from megatron_p3o.weight_sync import iter_hf_buckets
 

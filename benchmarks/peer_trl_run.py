@@ -32,13 +32,15 @@ def main() -> None:
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
 
-    sys.path.insert(0, args.repo)  # megatron_p3o.tasks.arithmetic imports only the standard library
+    sys.path.insert(
+        0, args.repo
+    )  # megatron_p3o.data.tasks.arithmetic imports only the standard library
     import torch
     from datasets import load_dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from megatron_p3o.tasks.arithmetic import reward
+    from megatron_p3o.data.tasks.arithmetic import reward
 
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
     base = Path(args.base)

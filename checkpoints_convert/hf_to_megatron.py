@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from megatron_p3o.errors import OutputExistsError, count_arg
+from megatron_p3o.runtime.errors import OutputExistsError, count_arg
 
 HF_SUBDIR = "hf"  # config.json + tokenizer files of the source model, inside the checkpoint
 
@@ -38,11 +38,11 @@ def convert(
 ) -> dict:
     from rich.progress import Progress
 
-    from megatron_p3o.hf.dist_stream import write_checkpoint
-    from megatron_p3o.hf.mapping import tensor_maps, to_mcore
-    from megatron_p3o.hf.safetensors_io import HFCheckpointReader, atomic_dir, copy_aux_files
     from megatron_p3o.model.builder import padded_vocab_size
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.model.hf.dist_stream import write_checkpoint
+    from megatron_p3o.model.hf.mapping import tensor_maps, to_mcore
+    from megatron_p3o.model.hf.safetensors_io import HFCheckpointReader, atomic_dir, copy_aux_files
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     if Path(out_dir).exists():
         raise OutputExistsError(f"output directory {out_dir} already exists; refusing to overwrite")
@@ -111,6 +111,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "checkpoints_convert.hf_to_megatron")

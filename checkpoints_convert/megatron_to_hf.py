@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from megatron_p3o.errors import OutputExistsError
+from megatron_p3o.runtime.errors import OutputExistsError
 
 
 def convert(
@@ -40,11 +40,11 @@ def convert(
     from rich.progress import Progress
 
     from checkpoints_convert.source import resolve
-    from megatron_p3o.hf.dist_stream import read_checkpoint
-    from megatron_p3o.hf.mapping import tensor_maps, to_hf
-    from megatron_p3o.hf.safetensors_io import HFShardedWriter, atomic_dir, copy_aux_files
     from megatron_p3o.model.description import description_to_hf_config
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.model.hf.dist_stream import read_checkpoint
+    from megatron_p3o.model.hf.mapping import tensor_maps, to_hf
+    from megatron_p3o.model.hf.safetensors_io import HFShardedWriter, atomic_dir, copy_aux_files
+    from megatron_p3o.runtime.parallel import Layout, initialize
     from megatron_p3o.weight_sync.fp8 import quantization_config, quantize_named
 
     if Path(out_dir).exists():
@@ -128,6 +128,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "checkpoints_convert.megatron_to_hf")

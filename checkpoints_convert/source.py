@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_p3o.errors import CheckpointError, InputFileError
+from megatron_p3o.runtime.errors import CheckpointError, InputFileError
 
 RECIPE_FILE = "config.json"  # the trainer's resolved recipe inside each training checkpoint
 HF_SUBDIR = "hf"  # config.json + tokenizer files, inside the checkpoint
@@ -40,8 +40,8 @@ class ExportSource:
 def newest_verified(run_dir: Path, notes: List[str]) -> Path:
     """The checkpoint a run would resume from (``latest`` if it verifies, else the newest that
     does), read-only; one error naming every damaged one when none verifies."""
-    from megatron_p3o.checkpoint import checkpoint_candidates
-    from megatron_p3o.manifest import check
+    from megatron_p3o.checkpoint.manifest import check
+    from megatron_p3o.checkpoint.state import checkpoint_candidates
 
     root = run_dir / "checkpoints"
     problems = []
@@ -62,8 +62,8 @@ def newest_verified(run_dir: Path, notes: List[str]) -> Path:
 def _from_recipe(ck: Path, notes: List[str]) -> Optional[tuple]:
     """(meta, hf dir) of a training checkpoint written before it carried them: from the
     checkpoint its recipe started from."""
-    from megatron_p3o.hf.dist_stream import P3O_META_FILE, read_meta
     from megatron_p3o.model.builder import padded_vocab_size
+    from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, read_meta
 
     recipe = ck / RECIPE_FILE
     if not recipe.is_file():
@@ -89,7 +89,7 @@ def _from_recipe(ck: Path, notes: List[str]) -> Optional[tuple]:
 
 def resolve(path: str | Path) -> ExportSource:
     """The :class:`ExportSource` of ``--ckpt PATH`` (see the module docstring)."""
-    from megatron_p3o.hf.dist_stream import P3O_META_FILE, read_meta
+    from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, read_meta
 
     p = Path(path)
     if not p.exists():
@@ -99,7 +99,7 @@ def resolve(path: str | Path) -> ExportSource:
     notes: List[str] = []
     ck = newest_verified(p, notes) if (p / "checkpoints").is_dir() else p
     if not (ck / "metadata.json").is_file():
-        from megatron_p3o.checkpoint import _step_dirs
+        from megatron_p3o.checkpoint.state import _step_dirs
 
         steps = _step_dirs(ck)
         hint = f" (it holds {steps[-1].name}: pass that or its run directory)" if steps else ""

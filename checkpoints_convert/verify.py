@@ -16,9 +16,9 @@ import torch
 def megatron_logits(ckpt_dir: str, ids: torch.Tensor, groups=None) -> torch.Tensor:
     """Logits ``[b, s, V]`` (padding dropped) of the checkpoint at TP=1, fp32."""
     from checkpoints_convert.source import resolve
-    from megatron_p3o.checkpoint import load_model_state
+    from megatron_p3o.checkpoint.state import load_model_state
     from megatron_p3o.model.builder import BuildOptions, build_model
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     src = resolve(ckpt_dir)  # a converted or trained checkpoint, or a run directory
     meta, ckpt_dir = src.meta, src.ckpt
@@ -43,7 +43,7 @@ def megatron_logits(ckpt_dir: str, ids: torch.Tensor, groups=None) -> torch.Tens
 def verify(hf_dir: str, ckpt_dir: str, seq: int = 64, prompts: int = 4, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from megatron_p3o.hf.safetensors_io import HFCheckpointReader
+    from megatron_p3o.model.hf.safetensors_io import HFCheckpointReader
 
     # a missing or broken HF directory is one line naming it (transformers would take the path
     # for a hub repo id and raise an OSError traceback); no tensor is loaded here
@@ -64,7 +64,7 @@ def verify(hf_dir: str, ckpt_dir: str, seq: int = 64, prompts: int = 4, seed: in
 
 
 def main(argv=None) -> int:
-    from megatron_p3o.errors import count_arg
+    from megatron_p3o.runtime.errors import count_arg
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hf", required=True)
@@ -78,6 +78,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "checkpoints_convert.verify")

@@ -27,7 +27,7 @@ SCRATCH = "trainer"  # OUT/trainer: the trainer's run directory (logs only, no c
 
 
 def main(argv=None) -> int:
-    from megatron_p3o.errors import count_arg
+    from megatron_p3o.runtime.errors import count_arg
 
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from megatron_p3o.config import load_config
+    from megatron_p3o.config.loading import load_config
 
-    cfg = load_config(a.recipe, a.set)
+    cfg = load_config(a.recipe, a.set).with_task_files()
     out = Path(a.out) if a.out else Path(cfg.run.dir) / cfg.run.name / "probe"
     _check_out(out)
     # the trainer's run directory: scratch under OUT (never resumes, never checkpoints), no W&B
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     )
     from rich.console import Console
 
-    from megatron_p3o.train import start_groups
+    from megatron_p3o.loop import start_groups
 
     groups = start_groups(cfg)
     con = Console(quiet=groups.rank != 0, soft_wrap=True, stderr=False)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
 
 
 def _check_out(out) -> None:
-    from megatron_p3o.errors import InputFileError
+    from megatron_p3o.runtime.errors import InputFileError
 
     if out.exists() and not out.is_dir():
         raise InputFileError(f"--out {out} is a file, not a directory")
@@ -141,7 +141,7 @@ def probe(cfg, groups, n_prompts: int, con) -> dict:
             trainer.close()
         bar.update(current[0], completed=1)
     if not tokens.logp_theta:
-        from megatron_p3o.errors import DataError
+        from megatron_p3o.runtime.errors import DataError
 
         raise DataError(f"probe: the engine's {tokens.prompts} completions have no tokens to score")
     stats = mismatch_stats(tokens)
@@ -236,6 +236,6 @@ def summary_table(report: dict):
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, PROG)

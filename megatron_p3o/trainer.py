@@ -15,35 +15,45 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from .advantage import group_advantages
-from .batching import MicroBatcher
-from .checkpoint import (
+from megatron_p3o.advantage.estimators import group_advantages
+from megatron_p3o.checkpoint.state import (
     load_model_state,
     load_training_checkpoint,
     resumable_checkpoint,
     save_training_checkpoint,
 )
-from .config import ConfigError, TrainConfig, to_dict
-from .hf.dist_stream import P3O_META_FILE, meta_dict, read_meta
-from .loss import build_objective
-from .metrics import PhaseTimer, combine_optimizer_steps, staleness
-from .model.builder import BuildOptions, build_model
-from .optim import UpdateSize, build_optimizer, build_scheduler, wrap_ddp, zero_grads
-from .parallel import ParallelGroups
-from .policy_update import PolicyUpdate
-from .reference import ReferenceModel
-from .replay import ReplayBuffer, TrajectoryFIFO
-from .reward import build_reward, score_samples
-from .reward.overlong import dapo_overlong_reward
-from .rollout.backend import build_backend
-from .rollout.config import RolloutShard
-from .rollout.engine import check_behavior_semantics
-from .rollout.prompts import PromptData, all_rows, remap_states
-from .run_log import RunLog
-from .types import SamplingParams, TrainBatch
-from .weight_sync.source import TrainerWeights
+from megatron_p3o.config.loading import to_dict
+from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.data.prompts import PromptData, all_rows, remap_states
+from megatron_p3o.logprob.reference import ReferenceModel
+from megatron_p3o.loss import build_objective
+from megatron_p3o.model.builder import BuildOptions, build_model
+from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, meta_dict, read_meta
+from megatron_p3o.observability.metrics import PhaseTimer, combine_optimizer_steps, staleness
+from megatron_p3o.observability.run_log import RunLog
+from megatron_p3o.reward import build_reward, score_samples
+from megatron_p3o.reward.overlong import dapo_overlong_reward
+from megatron_p3o.rollout.backend import build_backend
+from megatron_p3o.rollout.config import RolloutShard
+from megatron_p3o.rollout.engine import check_behavior_semantics
+from megatron_p3o.rollout.replay import ReplayBuffer, TrajectoryFIFO
+from megatron_p3o.rollout.scheduler import RolloutScheduler
+from megatron_p3o.runtime.collectives import all_gather_objects, all_max, all_sum
+from megatron_p3o.runtime.errors import ConfigError
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.types import SamplingParams, TrainBatch
+from megatron_p3o.update.batching import MicroBatcher
+from megatron_p3o.update.optim import (
+    UpdateSize,
+    build_optimizer,
+    build_scheduler,
+    over_epochs,
+    wrap_ddp,
+    zero_grads,
+)
+from megatron_p3o.update.policy_update import PolicyUpdate
+from megatron_p3o.weight_sync.source import TrainerWeights
 
 CONFIG_FILE = "config.json"  # in each checkpoint: the recipe it was trained with
 _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -51,6 +61,7 @@ _PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups):
+        cfg = cfg.with_task_files()  # a config built in code: its task's splits (else itself)
         self.cfg, self.groups = cfg, groups
         self.log = self.rollout = None
         self._eval_sets: Dict[str, list] = {}
@@ -63,7 +74,7 @@ class Trainer:
     def _build(self, cfg: TrainConfig, groups: ParallelGroups) -> None:
         """Model and optimizer → objective and update → data, reward, replay → run directory
         and resume → rollout backend (last: it may launch servers)."""
-        from .hf.safetensors_io import load_tokenizer
+        from megatron_p3o.model.hf.safetensors_io import load_tokenizer
 
         ckpt = Path(cfg.model.checkpoint)
         self._build_model(cfg, groups, ckpt)
@@ -76,9 +87,13 @@ class Trainer:
         )
         self.r2po = None
         if cfg.r2po.enabled:  # the residual rollout head on the last stage, and its phase
-            from .r2po import R2PO
+            from megatron_p3o.update.r2po import R2PO
 
-            self.r2po = R2PO(cfg.r2po, self)
+            self.r2po = R2PO(
+                cfg.r2po, self.chunks, self.ddp, self.opt, groups, self.reference,
+                self.desc.vocab_size, self.sampling.temperature, cfg.loss, cfg.batch,
+                seed=cfg.run.seed,
+            )  # fmt: skip
         self.batcher = MicroBatcher(
             cfg.batch, groups, cfg.model.seq_length, self.tok.pad_token_id or 0,
             equal_counts=self.objective.needs_ess and cfg.loss.ess_scope == "microbatch",
@@ -123,10 +138,7 @@ class Trainer:
 
     def _build_reference(self, cfg: TrainConfig, groups: ParallelGroups, ckpt: Path):
         """The frozen reference model when the objective (or ``reference.enabled``) asks."""
-        on = cfg.reference.enabled
-        if on is None:
-            on = self.objective.needs_ref_logprobs or cfg.r2po.enabled
-        if not on:
+        if not cfg.reference.wanted(self.objective, cfg.r2po.enabled):
             return None
         return ReferenceModel(
             self.desc, groups, self.build_opts, ckpt, cfg.rollout.sampling.temperature,
@@ -174,7 +186,7 @@ class Trainer:
         (one line, every key with both values) unless ``run.allow_config_change``."""
         import json
 
-        from .config import config_changes
+        from megatron_p3o.config.loading import config_changes
 
         saved = self.resumed_from / CONFIG_FILE
         if not saved.is_file():  # written before checkpoints kept their recipe
@@ -234,7 +246,7 @@ class Trainer:
         with timer("train"):
             self.rollout.before_update()
             if self.r2po is not None and self.r2po.cfg.phase(self.step_idx) == "head":
-                update = {"r2po_head_phase": 1.0, **self.r2po.head_update(batch)}
+                update = {"r2po_head_phase": 1.0, **self.r2po.head_update(batch, self.batcher)}
             else:
                 update = self._update(batch.samples, adv)
                 update.update(self._replay_update(batch, adv))
@@ -288,33 +300,35 @@ class Trainer:
         if self.objective.recomputes_old(self.cfg.loss.old_logprobs):  # πold before the updates
             for mbs in per_step:  # one schedule per step: its micro-batches share a shape
                 self.update.recompute_old_logprobs(self.ddp, mbs)
-        steps = []
-        for epoch in range(b.epochs):
-            for m in range(b.minibatches):
-                zero_grads(self.ddp, self.opt)
-                metrics = self.update.run(self.ddp, per_step[m])
-                size = UpdateSize(self.opt) if self.cfg.optim.log_update_size else None
-                ok, gnorm, _ = self.opt.step()
-                self.sched.step(1)
-                if size is not None:
-                    metrics.update(size.measure())
-                # the norm before clipping (Megatron clips to clip_grad inside step())
-                metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
-                clip = self.cfg.optim.clip_grad
-                metrics["grad_clipped"] = float(clip > 0 and metrics["grad_norm"] > clip)
-                metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
-                steps.append((epoch, m, metrics))
+        steps = over_epochs(b, lambda m: self._optimizer_step(per_step[m]))
         return {**combine_optimizer_steps(steps), **packing, **ref, **self._route_metrics()}
+
+    def _optimizer_step(self, microbatches) -> Dict:
+        """One optimizer step: gradients of the step's micro-batches, the optimizer and the LR
+        schedule; its metrics (gradient norm before clipping, whether it clipped or skipped)."""
+        zero_grads(self.ddp, self.opt)
+        metrics = self.update.run(self.ddp, microbatches)
+        size = UpdateSize(self.opt) if self.cfg.optim.log_update_size else None
+        ok, gnorm, _ = self.opt.step()
+        self.sched.step(1)
+        if size is not None:
+            metrics.update(size.measure())
+        # the norm before clipping (Megatron clips to clip_grad inside step())
+        metrics["grad_norm"] = float(gnorm) if gnorm is not None else float("nan")
+        clip = self.cfg.optim.clip_grad
+        metrics["grad_clipped"] = float(clip > 0 and metrics["grad_norm"] > clip)
+        metrics["skipped_steps"] = 0.0 if ok else 1.0  # non-finite gradients: no update
+        return metrics
 
     def _route_metrics(self) -> Dict[str, float]:
         """MoE: per-layer agreement of the trainer's own top-k with the engine's experts, over
         this batch's forwards (all ranks)."""
         if not self.desc.is_moe:
             return {}
-        from .model.routing import agreement
+        from megatron_p3o.model.routing import agreement
 
         hooks = [h for c in self.chunks for h in getattr(c, "route_hooks", [])]
-        return agreement(hooks, self.desc.num_layers, self.groups.device)
+        return agreement(hooks, self.desc.num_layers, self.groups.device, self.groups.world)
 
     def _replay_update(self, batch: TrainBatch, adv: torch.Tensor) -> Dict:
         """``replay.policy: fifo`` (ReVal): one more update on a uniform draw of older
@@ -376,14 +390,16 @@ class Trainer:
         "reeval_groups",
         "replay_groups",
         "homogeneous_groups",
+        "staleness_tokens",
     )
+    # means over tokens: weighted by each rank's token count (ranks hold different counts)
+    _DP_TOKEN_MEANS = (("staleness_token_mean", "staleness_tokens"),)
     _DP_MEANS = (
         "reward_mean",
         "completion_len",
         "truncation_rate",
         "distinct_per_group",
         "staleness_mean",
-        "staleness_token_mean",
         "straddling_frac",
         "rollout_s",
         "rollout_wait_s",
@@ -396,16 +412,21 @@ class Trainer:
         if not self.groups.layout.dp_enabled:
             return
         keys = self._DP_SUMS + self._DP_MEANS
+        weighted = [(k, w) for k, w in self._DP_TOKEN_MEANS if k in out and w in out]
+        for k, w in weighted:  # Σ over ranks of mean_r · n_r, divided by Σ n_r below
+            out[k] = out[k] * out[w]
+        keys += tuple(k for k, _ in weighted)
         dev = self.groups.device
         t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, group=self.groups.dp)
+        all_sum(t, self.groups.dp, "rollout metrics: each DP rank made its own groups")
         for k, v in zip(keys, t.tolist()):
             if k in out:
-                out[k] = v if k in self._DP_SUMS else v / dp
+                out[k] = v if k in self._DP_SUMS or k in dict(weighted) else v / dp
+        for k, w in weighted:
+            out[k] = out[k] / max(out[w], 1.0)
         maxima = ("staleness_max", "staleness_token_max", "completion_len_max")
         m = torch.tensor([out[k] for k in maxima], dtype=torch.float64, device=dev)
-        # DP group: the step's longest staleness and completion over every rank's samples.
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        all_max(m, self.groups.dp, "the longest staleness and completion over every rank")
         out.update(zip(maxima, m.tolist()))
 
     # -- evaluation, checkpoints, teardown ------------------------------------------------------
@@ -422,20 +443,23 @@ class Trainer:
         mine = list(range(self.groups.dp_rank, len(rows), self.groups.layout.dp))
         samples = self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling())
         score = torch.zeros(len(rows), dtype=torch.float64, device=self.groups.device)
-        for i, s in zip(mine, samples):
-            score[i] = float(self.reward_fn(self.decode(s.completion_ids), rows[i][1]))
+        texts = [self.decode(s.completion_ids) for s in samples]
+        # the training path's checks too (a failing or non-finite reward names the prompt)
+        for i, r in zip(
+            mine, score_samples(self.reward_fn, texts, [rows[i][1] for i in mine], mine)
+        ):
+            score[i] = r
         if self.groups.layout.dp_enabled:
-            # DP group: each DP rank evaluated a disjoint share of the held-out prompts.
-            dist.all_reduce(score, group=self.groups.dp)
+            all_sum(score, self.groups.dp, "each DP rank evaluated a disjoint share of prompts")
         per_prompt = score.tolist()
         acc = sum(per_prompt) / max(len(per_prompt), 1)
         self.log.log(self.step_idx, {"eval/heldout_accuracy": acc}, jsonl="eval.jsonl")
         return acc, per_prompt
 
-    # -- evaluation sets (megatron_p3o.evaluation) -----------------------------------------------
+    # -- evaluation sets (megatron_p3o.evaluation.heldout) -----------------------------------------
     def eval_rows(self, name: str, cfg) -> list:
         """The set's (prompt ids, answer) rows, read once."""
-        from .evaluation import load_set
+        from megatron_p3o.evaluation.heldout import load_set
 
         if name not in self._eval_sets:
             self._eval_sets[name] = load_set(cfg, self.tok, self.cfg.data.chat_template, name)
@@ -460,7 +484,7 @@ class Trainer:
 
     def evaluate_sets(self) -> Dict[str, float]:
         """Every ``eval.sets`` entry: pass@k, mean pass@1, greedy accuracy (all ranks); logged."""
-        from .evaluation import evaluate_sets
+        from megatron_p3o.evaluation.heldout import evaluate_sets
 
         metrics = evaluate_sets(self, self.cfg.eval)
         self.log.log(self.step_idx, metrics, jsonl="eval.jsonl")
@@ -474,11 +498,10 @@ class Trainer:
         g = self.groups
         mine = None
         if g.is_dp_leader:
-            replay = {**self.replay.state(), **self.fifo.state()}
-            mine = (g.dp_rank, {"rollout": self.rollout.state(), "replay": replay})
-        parts: List = [None] * g.world_size
-        # World: each DP rank has its own cursor and buffer; rank 0 stores them all in common.pt.
-        dist.all_gather_object(parts, mine)
+            replay = {**self.replay.state_dict(), **self.fifo.state_dict()}
+            mine = (g.dp_rank, {"rollout": self.rollout.state_dict(), "replay": replay})
+        parts = all_gather_objects(mine, g.world, "each DP rank has its own cursor and buffer; "
+                                   "rank 0 stores them all in common.pt")  # fmt: skip
         ref = self.reference
         state = {
             "ranks": {str(r): v for r, v in (x for x in parts if x is not None)},
@@ -508,7 +531,7 @@ class Trainer:
         vocabulary does not depend on TP: :func:`model.builder.padded_vocab_size`), so that
         ``checkpoints_convert.megatron_to_hf`` and ``verify`` read a trained checkpoint as they
         read a converted one, and a recipe can start from it (``model.checkpoint``)."""
-        from .model.builder import padded_vocab_size
+        from megatron_p3o.model.builder import padded_vocab_size
 
         div = self.build_opts.make_vocab_size_divisible_by
         vpad = padded_vocab_size(self.desc.vocab_size, self.groups.layout.tp, div)
@@ -522,27 +545,23 @@ class Trainer:
         dp, r = self.groups.layout.dp, self.groups.dp_rank
         if len(ranks) == dp:
             mine = ranks[str(r)]
-            self.data.load_state(mine["rollout"]["data"])
-            self.replay.load_state(mine["replay"])
-            self.fifo.load_state(mine["replay"])
+            self.data.load_state_dict(mine["rollout"]["data"])
+            self.replay.load_state_dict(mine["replay"])
+            self.fifo.load_state_dict(mine["replay"])
             return {k: mine["rollout"].get(k, []) for k in ("pending", "carried")}
-        old = [ranks[str(i)] for i in range(len(ranks))]
-        carried = [o["rollout"].get("carried", []) for o in old]
-        if any(carried):
-            say(f"dp {len(ranks)} -> {dp}: the {len(carried[0])} rollout batches made before the "
+        rollouts = [ranks[str(i)]["rollout"] for i in range(len(ranks))]
+        replays = [ranks[str(i)]["replay"] for i in range(len(ranks))]
+        sched = RolloutScheduler
+        carried = len(rollouts[0].get("carried", []))
+        if carried:
+            say(f"dp {len(ranks)} -> {dp}: the {carried} rollout batches made before the "
                 "checkpoint are made again with its weights")  # fmt: skip
-        cursors = [c[0]["data_state"] if c else o["rollout"]["data"] for o, c in zip(old, carried)]
-        self.data.load_state(remap_states(cursors, dp)[r])
-        stored = [x for o in old for x in o["replay"]["stored"]]
-        difficult = [x for o in old for x in o["replay"]["difficult"]]
-        difficult += [x for o in old for p in o["rollout"]["pending"] for x in p["reeval"]]
-        difficult += [
-            [g["index"], g["prompt_ids"], g["answer"]]
-            for c in carried for b in c for g in b["groups"] if g["source"] == "reeval"
-        ]  # fmt: skip
-        self.replay.load_state({"stored": stored[r::dp], "difficult": difficult[r::dp]})
-        fifo = [x for o in old for x in o["replay"].get("fifo", [])]
-        self.fifo.load_state({"fifo": fifo[r::dp]})
+        cursors = [sched.cursor_before_carried(st) for st in rollouts]
+        self.data.load_state_dict(remap_states(cursors, dp)[r])
+        owed = [x for st in rollouts for x in sched.pending_reevals(st)]
+        owed += [x for st in rollouts for x in sched.carried_reevals(st)]
+        self.replay.load_state_dict(ReplayBuffer.regroup(replays, owed, dp, r))
+        self.fifo.load_state_dict(TrajectoryFIFO.regroup(replays, dp, r))
         return {}
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from .errors import UserError
+from megatron_p3o.runtime.errors import UserError
 
 if TYPE_CHECKING:
     import torch

@@ -70,7 +70,7 @@ import sys, torch
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from megatron_p3o.tasks.arithmetic import make_tokenizer, splits, write_jsonl
+from megatron_p3o.data.tasks.arithmetic import make_tokenizer, splits, write_jsonl
 out = Path({str(out)!r})
 tok = make_tokenizer(out / "hf")
 train, held = splits(seed=0)

@@ -3,7 +3,8 @@
 Why: importing Megatron-Core and starting a process group costs ~13 s per launch on 2-core
 machines. A :class:`RankPool` keeps N spawned worker processes (one per rank, one shared gloo
 world) for the whole pytest session; each test sends a body by reference
-(``module:qualname``), a :class:`~megatron_p3o.parallel.Layout` and keyword arguments. Every rank
+(``module:qualname``), a :class:`~megatron_p3o.runtime.parallel.Layout` and keyword arguments.
+Every rank
 initializes that layout, runs the body, and sends back its result or its traceback. A rank that
 fails or a test that outlives its timeout fails the test with every rank's traceback, and the
 pool is torn down (the next test gets a fresh one: after a failure ranks may be stuck in a
@@ -20,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
-from megatron_p3o.ports import free_port
+from megatron_p3o.runtime.ports import free_port
 
 DEFAULT_TIMEOUT = float(os.environ.get("P3O_TEST_TIMEOUT", "300"))
 
@@ -39,10 +40,10 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from megatron_p3o import parallel
+    from megatron_p3o.runtime import parallel
 
     try:
-        from megatron_p3o import cpu_shim
+        from megatron_p3o.runtime import cpu_shim
 
         cpu_shim.install()
         parallel.init_distributed()

@@ -53,8 +53,8 @@ def fp8_on_device(device: str) -> dict:
 def padding_rule() -> dict:
     import yaml
 
-    from megatron_p3o.batching import token_multiple
-    from megatron_p3o.config import load_config
+    from megatron_p3o.config.loading import load_config
+    from megatron_p3o.update.batching import token_multiple
 
     out = {}
     for p in sorted((ROOT / "recipes").glob("*.yaml")):

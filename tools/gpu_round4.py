@@ -115,7 +115,7 @@ def _nccl_rank(rank, port, q):
 def nccl_two_ranks(device: str) -> dict:
     if device != "cuda":
         return {"skipped": "no GPU"}
-    from megatron_p3o.ports import free_port
+    from megatron_p3o.runtime.ports import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

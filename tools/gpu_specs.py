@@ -40,10 +40,10 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, vocab:
 
 
 def one_family(family: str, groups, device: torch.device, work: Path) -> dict:
-    from megatron_p3o.checkpoint import load_model_state
-    from megatron_p3o.hf.dist_stream import read_meta
+    from megatron_p3o.checkpoint.state import load_model_state
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.forward import forward_backward, next_token_targets
+    from megatron_p3o.model.hf.dist_stream import read_meta
     from tests.distributed.convert_bodies import SEQ, convert_hf, make_hf_model, prompt_ids
 
     hf = make_hf_model(family, work / f"{family}_hf")
@@ -100,8 +100,8 @@ def one_family(family: str, groups, device: torch.device, work: Path) -> dict:
 
 
 def fused_check(device: torch.device, tokens: int, vocab: int, hidden: int) -> dict:
-    from megatron_p3o.loss.fused_logprob import fused_vocab_parallel_logprobs
-    from megatron_p3o.loss.logprob import vocab_parallel_logprobs
+    from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs
+    from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
 
     g = torch.Generator(device="cpu").manual_seed(0)
     h0 = torch.randn(tokens, hidden, generator=g) / hidden**0.25
@@ -165,12 +165,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--families", nargs="*", default=None, help="default: every family")
     a = ap.parse_args(argv)
-    from megatron_p3o.quiet import silence_known_warnings
+    from megatron_p3o.observability.quiet import silence_known_warnings
 
     silence_known_warnings()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
     from tests.distributed.convert_bodies import FAMILIES
 
     groups = initialize(Layout())

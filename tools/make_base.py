@@ -14,7 +14,7 @@ machine, 0.69 on another). ``--train`` makes a new one:
 in the ``chain_scratchpad`` format (``3+7-2+9-4=`` → ``3+7=10;10-2=8;8+9=17;17-4=13;#13``):
 completions of 26–60 characters, a carry or a sign change at most steps, and an answer that is
 right only if every running sum is. The problems are the generator's own (the splits of
-:func:`megatron_p3o.tasks.reasoning_gym.splits` with the recipe's task seed and sizes, so the
+:func:`megatron_p3o.data.tasks.reasoning_gym.splits` with the recipe's task seed and sizes, so the
 held-out set is the one the trainer evaluates) and accuracy is the dataset's ``score_answer``
 on the decoded greedy completion. The tiny addition base stays ``tools/make_tiny_base.py``.
 
@@ -62,7 +62,7 @@ MODEL = dict(
 
 def scores(model, tok, prompts, answers, max_new, n=1, seed=0) -> list:
     """Per prompt, the ``n`` completions' task scores (greedy if n == 1, else temperature 1)."""
-    from megatron_p3o.tasks.reasoning_gym import reasoning_gym_reward
+    from megatron_p3o.data.tasks.reasoning_gym import reasoning_gym_reward
 
     ids = [tok.encode("<bos>" + p) for p in prompts]
     L = max(map(len, ids))
@@ -131,15 +131,15 @@ def main(argv=None) -> int:
             return 2
         print(json.dumps(install(a.task, out)))
         return 0
-    from megatron_p3o.quiet import silence_known_warnings
+    from megatron_p3o.observability.quiet import silence_known_warnings
 
     silence_known_warnings()
     from rich.progress import Progress
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_p3o.tasks import chain_sum
-    from megatron_p3o.tasks.arithmetic import make_tokenizer
-    from megatron_p3o.tasks.reasoning_gym import encode_answer, splits, task_format
+    from megatron_p3o.data.tasks import chain_sum
+    from megatron_p3o.data.tasks.arithmetic import make_tokenizer
+    from megatron_p3o.data.tasks.reasoning_gym import encode_answer, splits, task_format
 
     t0 = time.time()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     k = min(200, len(held))
     s8 = scores(model, tok, held_p[:k], held_a[:k], max_new, n=8, seed=a.seed)
     from checkpoints_convert.hf_to_megatron import convert
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     convert(str(out / "hf"), str(out / "ckpt"), groups=initialize(Layout()), dtype="float32")
     info = {
@@ -239,6 +239,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "make_base.py")  # user errors (a damaged shipped base, ...): one line, exit 2

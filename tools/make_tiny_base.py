@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_p3o.errors import InputFileError, count_arg, run_cli  # noqa: E402
+from megatron_p3o.runtime.errors import InputFileError, count_arg, run_cli  # noqa: E402
 
 
 def greedy_accuracy(model, tok, pairs, max_new=4) -> float:
-    from megatron_p3o.tasks.arithmetic import answer, prompt
+    from megatron_p3o.data.tasks.arithmetic import answer, prompt
 
     ok = 0
     model.eval()
@@ -97,13 +97,19 @@ def main(argv=None) -> int:
     a.max_steps = 3000 if a.max_steps is None else a.max_steps
     a.eval_every = 5 if a.eval_every is None else a.eval_every
     a.seed = 0 if a.seed is None else a.seed
-    from megatron_p3o.quiet import silence_known_warnings
+    from megatron_p3o.observability.quiet import silence_known_warnings
 
     silence_known_warnings()
     from rich.progress import Progress
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from megatron_p3o.tasks.arithmetic import answer, make_tokenizer, prompt, splits, write_jsonl
+    from megatron_p3o.data.tasks.arithmetic import (
+        answer,
+        make_tokenizer,
+        prompt,
+        splits,
+        write_jsonl,
+    )
 
     out = Path(a.out)
     if out.exists() and not out.is_dir():
@@ -183,7 +189,7 @@ def main(argv=None) -> int:
     model.save_pretrained(out / "hf")
     acc = greedy_accuracy(model, tok, held)
     from checkpoints_convert.hf_to_megatron import convert
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     convert(str(out / "hf"), str(out / "ckpt"), groups=initialize(Layout()), dtype="float32")
     (out / "base.json").write_text(json.dumps({"heldout_greedy_acc": acc, "sft_steps": step + 1}))

@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(threads)
-    from megatron_p3o.errors import UserError
-    from megatron_p3o.parallel import init_distributed
+    from megatron_p3o.runtime.errors import UserError
+    from megatron_p3o.runtime.parallel import init_distributed
     from megatron_p3o.stress.grid import cell_config, cells, load_grid
     from megatron_p3o.stress.provenance import provenance
     from megatron_p3o.stress.runner import run_cell
@@ -106,6 +106,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "tools/rerun_cells.py")

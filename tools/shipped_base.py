@@ -20,7 +20,7 @@ import json
 import shutil
 from pathlib import Path
 
-from megatron_p3o.errors import InputFileError
+from megatron_p3o.runtime.errors import InputFileError
 
 BASES = Path(__file__).resolve().parent.parent / "bases"
 
@@ -81,13 +81,13 @@ def install(name: str, out: Path, root: Path = BASES) -> dict:
     shutil.copytree(src / "hf", tmp / "hf")
     info = json.loads((src / "base.json").read_text())
     if info.get("task") == "addition":
-        from megatron_p3o.tasks.arithmetic import splits, write_jsonl
+        from megatron_p3o.data.tasks.arithmetic import splits, write_jsonl
 
         train, held = splits(seed=int(info.get("seed", 0)))
         write_jsonl(train, tmp / "train.jsonl")
         write_jsonl(held, tmp / "heldout.jsonl")
     from checkpoints_convert.hf_to_megatron import convert
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     convert(str(tmp / "hf"), str(tmp / "ckpt"), groups=initialize(Layout()), dtype="float32")
     info["shipped"] = name

@@ -1,8 +1,8 @@
 """Log-probs, the global ESS and the policy objectives (one module each)."""
 
-from .ess import EmptyStepError, NonFiniteLogprobError
-from .logprob import vocab_parallel_logprobs
-from .registry import OBJECTIVES, Objective, build_objective, policy_loss
+from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
+from megatron_p3o.loss.ess import EmptyStepError, NonFiniteLogprobError
+from megatron_p3o.loss.registry import OBJECTIVES, Objective, build_objective, policy_loss
 
 __all__ = [
     "vocab_parallel_logprobs",

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .terms import LossInputs, StepStats, masked_log_ratio
+from megatron_p3o.loss.terms import LossInputs, StepStats, masked_log_ratio
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .terms import LossInputs, StepStats, clip_fraction, masked_log_ratio
+from megatron_p3o.loss.terms import LossInputs, StepStats, clip_fraction, masked_log_ratio
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..metrics import StepMetrics
-from .terms import LossInputs, k3, masked_log_ratio
+from megatron_p3o.loss.terms import LossInputs, k3, masked_log_ratio
+from megatron_p3o.observability.metrics import StepMetrics
 
 
 def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs, entropy: bool = True) -> None:

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..errors import UserError
-from .terms import masked_log_ratio
+from megatron_p3o.loss.terms import masked_log_ratio
+from megatron_p3o.runtime.collectives import all_sum
+from megatron_p3o.runtime.errors import UserError
 
 
 class NonFiniteLogprobError(UserError, ValueError):
@@ -104,8 +105,7 @@ def all_reduce_stats(stats: Tensor, group: Optional[dist.ProcessGroup]) -> Tenso
     """Sum statistics over ``group`` (DP: every rank holds a disjoint part of the step)."""
     if group is not None and dist.get_world_size(group) > 1:
         stats = stats.clone()
-        # DP group: token sums of the whole optimizer step, every data-parallel rank's share.
-        dist.all_reduce(stats, group=group)
+        all_sum(stats, group, "e_B: token sums of the whole step, every DP rank's share")
     return stats
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .terms import (
+from megatron_p3o.loss.terms import (
     LossInputs,
     StepStats,
     clip_fraction,

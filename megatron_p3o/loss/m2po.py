@@ -44,7 +44,13 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .terms import LossInputs, StepStats, clip_fraction, clipped_surrogate, masked_log_ratio
+from megatron_p3o.loss.terms import (
+    LossInputs,
+    StepStats,
+    clip_fraction,
+    clipped_surrogate,
+    masked_log_ratio,
+)
 
 SCOPES = ("step", "microbatch")
 # AReaL's RejectionSamplingConfig fields and the values this objective supports

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .terms import LossInputs, StepStats, masked_log_ratio
+from megatron_p3o.loss.terms import LossInputs, StepStats, masked_log_ratio
 
 
 @dataclass(frozen=True)

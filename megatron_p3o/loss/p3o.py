@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from .terms import LossInputs, StepStats, k3, masked_log_ratio
+from megatron_p3o.loss.terms import LossInputs, StepStats, k3, masked_log_ratio
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .terms import LossInputs, StepStats, k3, masked_log_ratio
+from megatron_p3o.loss.terms import LossInputs, StepStats, k3, masked_log_ratio
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .terms import (
+from megatron_p3o.loss.terms import (
     LossInputs,
     StepStats,
     clip_fraction,

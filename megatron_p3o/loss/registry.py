@@ -19,20 +19,20 @@ from typing import Any, Callable, Dict, Literal, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..metrics import StepMetrics
-from .cispo import CISPOConfig, cispo_terms
-from .decoupled_ppo import DecoupledPPOConfig, decoupled_ppo_terms
-from .diagnostics import add_mismatch_metrics, finalize_mismatch
-from .ess import check_finite, ess_from_stats, ess_stats
-from .gspo import GSPOConfig, gspo_terms
-from .m2po import M2POConfig, m2_cut, m2_values, m2po_terms
-from .oapl import OAPLConfig, oapl_advantages, oapl_terms
-from .p3o import P3OConfig, p3o_terms
-from .p4o import P4OConfig, p4o_terms
-from .ppo import ClipConfig, clip_terms
-from .reinforce import ReinforceConfig, reinforce_terms
-from .reval import ReValConfig, reval_rewards, reval_terms
-from .terms import LossInputs, StepStats
+from megatron_p3o.loss.cispo import CISPOConfig, cispo_terms
+from megatron_p3o.loss.decoupled_ppo import DecoupledPPOConfig, decoupled_ppo_terms
+from megatron_p3o.loss.diagnostics import add_mismatch_metrics, finalize_mismatch
+from megatron_p3o.loss.ess import check_finite, ess_from_stats, ess_stats
+from megatron_p3o.loss.gspo import GSPOConfig, gspo_terms
+from megatron_p3o.loss.m2po import M2POConfig, m2_cut, m2_values, m2po_terms
+from megatron_p3o.loss.oapl import OAPLConfig, oapl_advantages, oapl_terms
+from megatron_p3o.loss.p3o import P3OConfig, p3o_terms
+from megatron_p3o.loss.p4o import P4OConfig, p4o_terms
+from megatron_p3o.loss.ppo import ClipConfig, clip_terms
+from megatron_p3o.loss.reinforce import ReinforceConfig, reinforce_terms
+from megatron_p3o.loss.reval import ReValConfig, reval_rewards, reval_terms
+from megatron_p3o.loss.terms import LossInputs, StepStats
+from megatron_p3o.observability.metrics import StepMetrics
 
 
 @dataclass(frozen=True)
@@ -206,9 +206,15 @@ class Objective:
         return bool(getattr(self.hyper, "entropy_coef", 0))
 
     def normalizer(self, stats: StepStats) -> float:
+        """The step's one loss normalizer (the token mean's N_B, the sequence count for
+        per-sequence objectives, M2PO's kept tokens), at least 1: a step whose M2PO cut keeps no
+        token has a zero loss, not 0/0. The single-process loss and the policy update both
+        divide by it."""
         if self.needs_m2_cut:  # M2PO, scope step: the mean over the step's kept tokens
-            return stats.m2po_kept
-        return stats.n_seqs if self.per_sequence else stats.n_tokens
+            n = stats.m2po_kept
+        else:
+            n = stats.n_seqs if self.per_sequence else stats.n_tokens
+        return max(n, 1.0)
 
     def check_inputs(self, inp: LossInputs) -> None:
         for need, value, hint in (
@@ -385,7 +391,7 @@ def policy_loss(
     obj.check_inputs(inp)
     stats = step_stats(obj, inp)
     total, pairs = obj.terms(inp, stats)
-    loss = total / max(obj.normalizer(stats), 1.0)
+    loss = total / obj.normalizer(stats)
     acc = StepMetrics()
     for k, (num, den) in pairs.items():
         acc.add(k, num, den)

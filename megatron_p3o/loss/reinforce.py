@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .terms import LossInputs, StepStats
+from megatron_p3o.loss.terms import LossInputs, StepStats
 
 
 @dataclass(frozen=True)

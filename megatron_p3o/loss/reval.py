@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .terms import LossInputs, StepStats, masked_log_ratio
+from megatron_p3o.loss.terms import LossInputs, StepStats, masked_log_ratio
 
 
 @dataclass(frozen=True)

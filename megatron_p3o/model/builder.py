@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import ClassVar, Dict, List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .. import mcore_compat
-from ..parallel import LayoutError, ParallelGroups
-from .description import ModelDescription
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.runtime.fields import check_ranges
+from megatron_p3o.runtime.parallel import LayoutError, ParallelGroups
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ModelConfig:
         already trained; Megatron's aux loss, not the HF config's ``router_aux_loss_coef``).
     fused_logprob: the last stage computes log-probs (entropy, log-partition) from the output
         layer's input and weight chunk by chunk, never materialising the logits
-        (:mod:`megatron_p3o.loss.fused_logprob`); calls where that is not exact run unfused,
+        (:mod:`megatron_p3o.logprob.fused`); calls where that is not exact run unfused,
         the reason logged once. On by default: at T = 8192 it keeps 0.13× the unfused path's
         peak memory for 1.01× its time over a trainer step on CPU (one forward+backward alone:
         1.07–1.13×, a matmul recomputed in the backward), and the end-to-end tier runs with it;
@@ -52,6 +53,11 @@ class ModelConfig:
     moe_dispatcher: Literal["allgather", "alltoall"] = "allgather"
     moe_aux_loss_coeff: float = 0.0
     fused_logprob: bool = True
+
+    RANGES: ClassVar[Dict[str, str]] = {"seq_length": ">= 2", "moe_aux_loss_coeff": ">= 0"}
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "model")
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -234,8 +240,8 @@ def build_model(
     if not use_te:  # padded or packed, with or without CP (see local_attention)
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        from .local_attention import LocalCoreAttention
-        from .local_norm import LocalQKNorm, LocalRMSNorm
+        from megatron_p3o.model.local_attention import LocalCoreAttention
+        from megatron_p3o.model.local_norm import LocalQKNorm, LocalRMSNorm
 
         attn = spec.submodules.self_attention.submodules
         attn.core_attention = LocalCoreAttention
@@ -270,12 +276,12 @@ def build_model(
         if kind == "llama3":
             _apply_llama3_rope(model, desc)
         if desc.is_moe:  # the routers' replay hooks (R3; route agreement)
-            from .routing import attach
+            from megatron_p3o.model.routing import attach
 
             model.route_hooks = attach([model])
             _experts_apart(model)
         if opts.fused_logprob and groups.is_last_stage(vp_stage):
-            from .forward import FusedOutputLayer
+            from megatron_p3o.model.forward import FusedOutputLayer
 
             model.fused_output = FusedOutputLayer(model, groups)
         model.description = desc

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import InputFileError, UserError
+from megatron_p3o.runtime.errors import InputFileError, UserError
 
 # architectures we can map, and the family that decides the layout details
 SUPPORTED_ARCHITECTURES = {

@@ -17,9 +17,10 @@ they share one.
 
 Fused log-probs (``model.fused_logprob``): on a last stage built with it, the output layer does
 not multiply; :class:`FusedOutputLayer` hands the loss function an
-:class:`~megatron_p3o.loss.fused_logprob.OutputLayerInput` (the output layer's input, gathered
+:class:`~megatron_p3o.logprob.fused.OutputLayerInput` (the output layer's input, gathered
 for sequence parallelism, and its weight) in place of the logits, and
-:func:`~megatron_p3o.policy_update.response_logprobs` takes the log-probs from it chunk by chunk.
+:func:`~megatron_p3o.update.policy_update.response_logprobs` takes the log-probs from it chunk by
+chunk.
 Where that would not be exact (see :meth:`FusedOutputLayer.unsupported`) the layer runs as
 Megatron's and the loss gets logits, with the reason logged once.
 """
@@ -34,14 +35,32 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import mcore_compat
-from ..loss.fused_logprob import OutputLayerInput, output_layer_input
-from ..parallel import ParallelGroups
-from . import packed
+from megatron_p3o.logprob.fused import OutputLayerInput, output_layer_input
+from megatron_p3o.model import packed
+from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.runtime.parallel import ParallelGroups
 
 MicroBatch = Dict[str, Tensor]
 # loss_fn(batch, logits [b, s/cp, V/tp] or OutputLayerInput) -> (loss, token count, metrics)
 LossFn = Callable[[MicroBatch, Union[Tensor, OutputLayerInput]], tuple]
+RESPONSE_KEYS = ("behavior_logprobs", "advantages", "old_logprobs", "ref_logprobs")
+
+
+def nest_response(mb: MicroBatch) -> MicroBatch:
+    """A flat padded micro-batch (``loss_mask``, ``behavior_logprobs``, ``advantages`` … as
+    ``[b, s]`` tensors aligned with ``targets``) in the nested form, in place; the response
+    tensors then span every position of each row."""
+    if "response" in mb:
+        return mb
+    b, s = mb["tokens"].shape
+    resp = {"mask": mb.pop("loss_mask").float(), "index": torch.arange(b * s).reshape(b, s)}  # host
+    for k in RESPONSE_KEYS + ("sample_index",):
+        if k in mb:
+            resp[k] = mb.pop(k)
+    mb["response"] = resp
+    return mb
+
+
 _log = logging.getLogger(__name__)
 
 
@@ -184,7 +203,7 @@ def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model)
     if position_ids is None:
         position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
     if "routed_experts" in batch or "route_mode" in batch:  # MoE: the engine's experts (R3)
-        from .routing import set_routes
+        from megatron_p3o.model.routing import set_routes
 
         set_routes(model, batch.get("routed_experts"), batch.get("route_mode", "off"))
     fused = _fused_output(model)

@@ -33,7 +33,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from .packed import cp_chunk_positions
+from megatron_p3o.model.packed import cp_chunk_positions
+from megatron_p3o.runtime.collectives import all_gather_into, all_sum
 
 PACK_WINDOW = 128  # tokens per block-diagonal SDPA call of the packed path (see module docstring)
 
@@ -45,15 +46,15 @@ class _AllGatherSeq(torch.autograd.Function):
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
         parts = [torch.empty_like(x) for _ in range(group.size())]
-        # CP group: every rank needs every rank's K/V chunks to attend across the whole sequence.
-        dist.all_gather(parts, x.contiguous(), group=group)
+        all_gather_into(parts, x.contiguous(), group, "every CP rank needs every rank's K/V "
+                        "chunks to attend across the whole sequence")  # fmt: skip
         return torch.cat(parts, dim=0)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
-        # CP group: queries on every rank attended to my K/V, so my K/V gradient is their sum.
-        dist.all_reduce(grad, group=ctx.group)
+        all_sum(grad, ctx.group, "queries on every CP rank attended to my K/V: its gradient is "
+                "their sum")  # fmt: skip
         n = grad.shape[0] // ctx.group.size()
         r = ctx.group.rank()
         return grad[r * n : (r + 1) * n], None

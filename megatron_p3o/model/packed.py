@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_p3o.runtime.collectives import all_gather_into
+
 
 def cp_chunk_positions(local_len: int, cp_rank: int, cp_size: int) -> Tensor:
     """Positions ``[local_len]`` within one sequence that CP rank ``cp_rank`` holds (chunks r and
@@ -123,9 +125,8 @@ class _GatherTokens(torch.autograd.Function):
     def forward(ctx, local: Tensor, all_index: Tensor, numel: int, group) -> Tensor:
         ctx.save_for_backward(all_index[dist.get_rank(group)])
         parts = [torch.empty_like(local) for _ in range(group.size())]
-        # CP group: the loss needs every token of each sequence; each rank computed ℓθ of its
-        # own chunks of them.
-        dist.all_gather(parts, local.contiguous(), group=group)
+        all_gather_into(parts, local.contiguous(), group, "the loss needs every token of each "
+                        "sequence; each CP rank scored its own chunks")  # fmt: skip
         full = local.new_zeros(numel)
         full.index_copy_(0, all_index.reshape(-1), torch.cat(parts))
         return full

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import ClassVar, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..loss.fused_logprob import SumGradOverTP
-from ..parallel import LayoutError, ParallelGroups
+from megatron_p3o.logprob.fused import SumGradOverTP
+from megatron_p3o.runtime.collectives import all_gather_into, all_sum
+from megatron_p3o.runtime.fields import check_ranges
+from megatron_p3o.runtime.parallel import LayoutError, ParallelGroups
 
 HF_W1, HF_W2 = "rollout_head.w1.weight", "rollout_head.w2.weight"
 
@@ -42,6 +44,16 @@ class HeadOptimConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     init_std: float = 1e-6
+
+    RANGES: ClassVar[Dict[str, str]] = {
+        "lr": "> 0",
+        "weight_decay": ">= 0",
+        "clip_grad": ">= 0",
+        "init_std": ">= 0",
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "r2po.head")
 
 
 def residual_features(h: Tensor, w1: Tensor, tp_group=None) -> Tensor:
@@ -131,8 +143,7 @@ class RolloutHead:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if dist.get_world_size(self.groups.dp_cp) > 1:
-                # DP×CP group: the head gradient of the whole optimizer step.
-                dist.all_reduce(p.grad, group=self.groups.dp_cp)
+                all_sum(p.grad, self.groups.dp_cp, "the head gradient of the whole step")
 
     def step(self) -> float:
         """:meth:`reduce_grads`, clip by the global norm, AdamW; returns the norm (last stage;
@@ -143,8 +154,7 @@ class RolloutHead:
         w1, w2 = self.w1.grad, self.w2.grad
         sq = w2.double().pow(2).sum().reshape(1)
         if self.groups.layout.tp_enabled:
-            # TP group: W₂'s shards together make its norm (W₁ is replicated: counted once).
-            dist.all_reduce(sq, group=self.groups.tp)
+            all_sum(sq, self.groups.tp, "W₂'s shards make its norm (W₁ is replicated: once)")
         norm = float((sq[0] + w1.double().pow(2).sum()).sqrt())
         c = self.cfg.clip_grad
         if c and norm > c:
@@ -165,8 +175,8 @@ class RolloutHead:
         w2 = self.w2.detach()
         if self.groups.layout.tp_enabled:
             parts = [torch.empty_like(w2) for _ in range(self.groups.layout.tp)]
-            # TP group: the engine needs W₂ over the whole vocabulary.
-            dist.all_gather(parts, w2.contiguous(), group=self.groups.tp)
+            all_gather_into(parts, w2.contiguous(), self.groups.tp,
+                            "the engine needs W₂ over the whole vocabulary")  # fmt: skip
             w2 = torch.cat(parts)
         return [(HF_W1, self.w1.detach().cpu()), (HF_W2, w2[: self.vocab_size].cpu())]
 
@@ -204,7 +214,7 @@ class RolloutHead:
 
     def load(self, ckpt, adam_step: int) -> None:
         """Restore the head (and its Adam moments when it had stepped) from a checkpoint."""
-        from ..checkpoint import load_sharded
+        from megatron_p3o.checkpoint.state import load_sharded
 
         if not self.on_stage:
             return

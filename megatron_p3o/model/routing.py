@@ -28,6 +28,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from megatron_p3o.runtime.collectives import all_sum
+
 
 class LayerRoutes:
     """The replay hook of one MoE layer's router (global layer ``layer``, 0-based)."""
@@ -99,7 +101,7 @@ def set_routes(model, routed: Optional[Tensor], mode: str) -> None:
         hook.target = r.transpose(0, 1).reshape(-1, r.shape[-1]).long()
 
 
-def agreement(hooks: List[LayerRoutes], num_layers: int, device, group=None) -> Dict[str, float]:
+def agreement(hooks: List[LayerRoutes], num_layers: int, device, group) -> Dict[str, float]:
     """Route agreement per layer and overall, summed over ``group`` (all ranks: each stage
     counted its layers; TP replicas count alike in numerator and denominator); resets."""
     import torch.distributed as dist
@@ -117,8 +119,7 @@ def agreement(hooks: List[LayerRoutes], num_layers: int, device, group=None) -> 
             else "cpu"
         )
         t = t.to(dev)
-        # World group: every stage's layers and every rank's tokens.
-        dist.all_reduce(t, group=group)
+        all_sum(t, group, "routing agreement: every stage's layers and every rank's tokens")
         t = t.cpu()
     out = {}
     if t[:, 1].sum() > 0:

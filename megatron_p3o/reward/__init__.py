@@ -1,5 +1,5 @@
 """Reward functions (one per module) and the registry that resolves ``reward.kind``."""
 
-from .registry import RewardError, build_reward, score_samples
+from megatron_p3o.reward.registry import RewardError, build_reward, score_samples
 
 __all__ = ["RewardError", "build_reward", "score_samples"]

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Literal, Optional, Sequence
 
-from ..errors import UserError
-from .overlong import OverlongConfig
+from megatron_p3o.reward.overlong import OverlongConfig
+from megatron_p3o.runtime.errors import UserError
 
 RewardFn = Callable[[str, str], float]
 
@@ -36,15 +36,15 @@ def build_reward(kind: str, function: str = "") -> RewardFn:
     """``math_verify``, ``exact_match``, ``reasoning_gym`` or ``python``
     (``function = "module:callable"``)."""
     if kind == "math_verify":
-        from .math_answer import math_verify_reward
+        from megatron_p3o.reward.math_answer import math_verify_reward
 
         return math_verify_reward
     if kind == "exact_match":
-        from .exact_match import exact_match_reward
+        from megatron_p3o.reward.exact_match import exact_match_reward
 
         return exact_match_reward
     if kind == "reasoning_gym":
-        from ..tasks.reasoning_gym import reasoning_gym_reward
+        from megatron_p3o.data.tasks.reasoning_gym import reasoning_gym_reward
 
         return reasoning_gym_reward
     if kind == "python":

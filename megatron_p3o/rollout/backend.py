@@ -16,13 +16,10 @@ import abc
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
-from ..parallel import ParallelGroups
-from ..types import Sample, SamplingParams
-from ..weight_sync.source import TrainerWeights
-from .config import RolloutConfig, RolloutShard
-from .engine import RolloutEngine
-from .prompts import PromptData
-from .scheduler import (
+from megatron_p3o.data.prompts import PromptData
+from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
+from megatron_p3o.rollout.engine import RolloutEngine
+from megatron_p3o.rollout.scheduler import (
     LoadWeights,
     NoWeights,
     Publication,
@@ -32,6 +29,9 @@ from .scheduler import (
     WeightsPushed,
     WeightUpdate,
 )
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.types import Sample, SamplingParams
+from megatron_p3o.weight_sync.source import TrainerWeights
 
 Reeval = Sequence[Tuple[int, List[int], str]]
 
@@ -94,10 +94,10 @@ class RolloutBackend(abc.ABC):
         update = self._sync(version) if sync else NoWeights()
         self.scheduler.publish(Publication(step, version, update, list(reeval)))
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """Batches made but not trained on, the data cursor after them, pending
         re-evaluations."""
-        return self.scheduler.state()
+        return self.scheduler.state_dict()
 
     def weights_state(self) -> Optional[dict]:
         """The rollout weights batches after a checkpoint are still due from, when older."""
@@ -136,8 +136,8 @@ class EmbeddedBackend(RolloutBackend):
     def _evaluator(self, precision: str, version: int):
         """A second, noise-free engine in the trainer's precision for evaluation (built on first
         use), so that scores measure the policy, not the rollout precision."""
-        from ..model.description import description_to_hf_config
-        from .embedded import EmbeddedEngine
+        from megatron_p3o.model.description import description_to_hf_config
+        from megatron_p3o.rollout.embedded import EmbeddedEngine
 
         e = self._eval_engine
         if e is None or e.precision != precision:
@@ -162,8 +162,8 @@ class SGLangBackend(RolloutBackend):
         super().__init__(producer, weights, data, score, cfg, shard, start, resume)
 
     def _sync(self, version: int) -> WeightUpdate:
-        from ..weight_sync import iter_hf_buckets
-        from ..weight_sync.fp8 import quantize_named
+        from megatron_p3o.weight_sync import iter_hf_buckets
+        from megatron_p3o.weight_sync.fp8 import quantize_named
 
         fp8 = self.cfg.sglang.quantization == "fp8"  # block FP8 + scales, see weight_sync.fp8
         if self.cfg.weight_sync == "colocated":  # every rank builds its GPU's IPC payload
@@ -205,10 +205,10 @@ def build_backend(
     """The backend ``cfg.engine`` names; engines it started are stopped if it fails.
     ``rollout_head``: the engine samples with R2PO's residual head (embedded engine only);
     ``log_dir``: where launched SGLang servers write their (redacted) logs and pid files."""
-    from ..model.description import description_to_hf_config
+    from megatron_p3o.model.description import description_to_hf_config
 
     if cfg.engine == "embedded":
-        from .embedded import EmbeddedEngine
+        from megatron_p3o.rollout.embedded import EmbeddedEngine
 
         hf = description_to_hf_config(weights.desc)
         device = str(groups.device) if cfg.device == "auto" else cfg.device
@@ -221,7 +221,7 @@ def build_backend(
         return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, resume)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
     if cfg.sglang.quantization == "fp8":
-        from ..weight_sync.fp8 import quantization_config
+        from megatron_p3o.weight_sync.fp8 import quantization_config
 
         hf["quantization_config"] = quantization_config()
     producer, evaluator = _central_engines(cfg, groups, hf, log_dir)
@@ -237,10 +237,10 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
     for evaluation, each with its own object group."""
     import os
 
-    from ..parallel import new_object_group
-    from .central import CentralEngine
-    from .sglang import build_fleet
-    from .sglang.launch import resolve_device
+    from megatron_p3o.rollout.central import CentralEngine
+    from megatron_p3o.rollout.sglang import build_fleet
+    from megatron_p3o.rollout.sglang.launch import resolve_device
+    from megatron_p3o.runtime.parallel import new_object_group
 
     inner = None
     if groups.rank == 0:
@@ -296,7 +296,7 @@ def check_transport(cfg: RolloutConfig, sg, cuda: bool) -> None:
     """One line each, before any server starts: a colocated push serves one server (its payload
     ranks are trainer ranks 0…T−1, the GPUs of that one server); CUDA-IPC tensor payloads (a
     trainer on CUDA) reach only servers on this node."""
-    from .sglang.launch import SGLangSetupError
+    from megatron_p3o.rollout.sglang.launch import SGLangSetupError
 
     servers = len(cfg.sglang_workers) if sg.url is not None else sg.servers
     if cfg.weight_sync == "colocated" and max(servers, 1) > 1:
@@ -320,8 +320,8 @@ def _check_nccl(sg) -> None:
     """Before any server starts: an NCCL weight group needs one NCCL version on both sides."""
     import os
 
-    from .sglang.launch import PYTHON_ENV
-    from .sglang.weights import (
+    from megatron_p3o.rollout.sglang.launch import PYTHON_ENV
+    from megatron_p3o.rollout.sglang.weights import (
         check_nccl_versions,
         resolve_backend,
         server_nccl_version,
@@ -333,7 +333,7 @@ def _check_nccl(sg) -> None:
         return
     trainer = trainer_nccl_version()
     if trainer is not None:  # probed in the servers' own environment (an LD_PRELOAD for them)
-        from .sglang.launch import server_env
+        from megatron_p3o.rollout.sglang.launch import server_env
 
         env = server_env(gpus=sg.gpus, ld_preload=sg.ld_preload)
         check_nccl_versions(trainer, server_nccl_version(python, env), python)

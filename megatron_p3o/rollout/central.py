@@ -26,9 +26,15 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..parallel import ParallelGroups
-from ..types import Sample, SamplingParams
-from .engine import Bucket, RolloutEngine
+from megatron_p3o.rollout.engine import Bucket, RolloutEngine
+from megatron_p3o.runtime.collectives import (
+    all_gather_objects,
+    barrier,
+    gather_objects,
+    scatter_objects,
+)
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.types import Sample, SamplingParams
 
 COLOCATED_BUCKET_BYTES = 256 * 2**20  # per colocated push bucket (plan.py counts two of them)
 
@@ -61,9 +67,8 @@ class CentralEngine(RolloutEngine):
     ) -> List[Sample]:
         g = self.groups
         mine = (g.dp_rank, [list(p) for p in prompts] if self.leader else None)
-        gathered: Optional[list] = [None] * g.world_size if g.rank == 0 else None
-        # objects group: every DP leader's prompts to the one rank that talks to the server.
-        dist.gather_object(mine, gathered, dst=0, group=self.objects)
+        gathered = gather_objects(mine, 0, self.objects, "every DP leader's prompts to the one "
+                                  "rank that talks to the server")  # fmt: skip
         out: List[Optional[dict]] = [None] * g.world_size
         if g.rank == 0:
             flat, owners = [], []
@@ -79,19 +84,17 @@ class CentralEngine(RolloutEngine):
                     s.group_id -= start
                 by_dp[dp_rank] = part
             out = [by_dp.get(d, []) for d, _ in gathered]
-        got: List[Optional[list]] = [None]
-        # objects group: each rank receives its DP rank's samples.
-        dist.scatter_object_list(got, out if g.rank == 0 else None, src=0, group=self.objects)
-        samples = got[0]
+        samples = scatter_objects(out if g.rank == 0 else None, 0, self.objects,
+                                  "each rank receives its DP rank's samples")  # fmt: skip
         for s in samples:
             self.weight_version = max(self.weight_version, s.weight_version)
         return samples
 
     def any_rank(self, flag: bool) -> bool:
-        t = [None] * self.groups.world_size
-        # objects group: dynamic-sampling rounds must be taken by all ranks or by none.
-        dist.all_gather_object(t, bool(flag), group=self.objects)
-        return any(t)
+        flags = all_gather_objects(
+            bool(flag), self.objects, "dynamic-sampling rounds are taken by all ranks or none"
+        )
+        return any(flags)
 
     # -- weights --------------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
@@ -113,8 +116,7 @@ class CentralEngine(RolloutEngine):
         if self.inner is not None:
             self.inner.release_memory()
             self._released = True
-        # objects group: the trainer ranks sharing the server's GPUs wait for the release.
-        dist.barrier(group=self.objects)
+        barrier(self.objects, "the trainer ranks sharing the server's GPUs wait for the release")
 
     def update_weights_colocated(
         self,
@@ -131,15 +133,19 @@ class CentralEngine(RolloutEngine):
         inside one weight-update session, with the server's weights resumed before and every
         other region it released (KV cache, CUDA graphs) after. ``fp8``: block-FP8 weights plus
         scales (:func:`~megatron_p3o.weight_sync.fp8.quantize_named`)."""
-        from ..weight_sync.colocated import iter_colocated_buckets
-        from ..weight_sync.ipc import payload_ranks, serialize_named_tensors
-        from .sglang.protocol import RESUME_AFTER_PUSH, RESUME_BEFORE_PUSH, with_last
+        from megatron_p3o.rollout.sglang.protocol import (
+            RESUME_AFTER_PUSH,
+            RESUME_BEFORE_PUSH,
+            with_last,
+        )
+        from megatron_p3o.weight_sync.colocated import iter_colocated_buckets
+        from megatron_p3o.weight_sync.ipc import payload_ranks, serialize_named_tensors
 
         g = self.groups
         ranks = payload_ranks(server_tp, g.world_size)
         transform = None
         if fp8:
-            from ..weight_sync.fp8 import quantize_named
+            from megatron_p3o.weight_sync.fp8 import quantize_named
 
             def transform(named):
                 return list(quantize_named(named))
@@ -153,15 +159,13 @@ class CentralEngine(RolloutEngine):
                 stack.enter_context(self.inner.sessions())
             for bucket, last in with_last(buckets):
                 blob = serialize_named_tensors(bucket) if bucket is not None else None
-                blobs: Optional[List[Optional[str]]] = (
-                    [None] * g.world_size if g.rank == 0 else None
-                )
-                # objects group: every server TP rank's payload to rank 0, which posts them.
-                dist.gather_object(blob, blobs, dst=0, group=self.objects)
+                blobs = gather_objects(blob, 0, self.objects, "every server TP rank's payload "
+                                       "to rank 0, which posts them")  # fmt: skip
                 if self.inner is not None:
                     self.inner.push_ipc([blobs[r] for r in ranks], version, last)
-                # objects group: the handles' tensors stay alive until the server loaded them.
-                dist.barrier(group=self.objects)
+                barrier(
+                    self.objects, "the handles' tensors stay alive until the server loaded them"
+                )
                 del bucket, blob
         if released:
             self.inner.resume_memory(list(RESUME_AFTER_PUSH))
@@ -170,7 +174,7 @@ class CentralEngine(RolloutEngine):
 
     def _push_from_disk(self, buckets: Iterable[Bucket], version: int) -> None:
         """Write an HF safetensors directory (atomically) and ask the server to load it."""
-        from ..hf.safetensors_io import HFShardedWriter, atomic_dir
+        from megatron_p3o.model.hf.safetensors_io import HFShardedWriter, atomic_dir
 
         out = Path(self.sync_dir) / f"v{version:06d}"
         if not out.exists():

@@ -7,10 +7,12 @@ nests it. The scheduler and the backends take these objects as they are, with no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import ClassVar, Dict, List, Literal, Optional
 
-from ..types import SamplingParams
-from .sglang import SGLangConfig
+from megatron_p3o.rollout.sglang import SGLangConfig
+from megatron_p3o.runtime.errors import ConfigError
+from megatron_p3o.runtime.fields import check_ranges
+from megatron_p3o.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,41 @@ class RolloutConfig:
     weight_sync_port: int = 29650
     sglang_workers: List[str] = field(default_factory=list)
     routing_replay: Literal["off", "r3"] = "off"
+
+    RANGES: ClassVar[Dict[str, str]] = {
+        "embedded_max_batch": ">= 1",
+        "n_samples": ">= 1",
+        "sync_every": ">= 1",
+        "max_staleness": ">= 0",
+        "dynamic_max_rounds": ">= 0",
+        "logprob_noise": ">= 0",
+        "logit_noise": ">= 0",
+        "weight_rounding_step": "in [0, 1]",
+        "engine_temperature": "> 0",
+        "weight_sync_port": "a port in [1, 65535]",
+    }
+
+    def __post_init__(self):
+        check_ranges(self, self.RANGES, "rollout")
+        if self.weight_sync == "disk" and self.engine == "sglang" and not self.weight_sync_dir:
+            raise ConfigError(
+                "rollout.weight_sync=disk needs rollout.weight_sync_dir (a directory every "
+                "node and the SGLang servers can read)"
+            )
+        if self.fp8_kv_cache and not self.precision.startswith("fp8"):
+            raise ConfigError(
+                f"rollout.fp8_kv_cache needs an fp8 rollout.precision, got {self.precision!r}"
+            )
+        if self.weight_rounding_step and self.engine != "embedded":
+            raise ConfigError(
+                "rollout.weight_rounding_step rounds the embedded engine's copy of the weights; "
+                "SGLang has no such knob (use rollout.engine=embedded)"
+            )
+        if self.logit_noise and self.engine != "embedded":
+            raise ConfigError(
+                "rollout.logit_noise perturbs the embedded engine's logits; SGLang has no such "
+                "knob (use rollout.engine=embedded)"
+            )
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,11 @@ from typing import Dict, Iterable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..hf.mapping import parse_moe_hf_name
-from ..types import Sample, SamplingParams
-from ..weight_sync.fp8 import FP8_LINEARS as _FP8_LINEARS
-from ..weight_sync.fp8 import FP8_MAX, quant_dequant_block
-from .engine import Bucket, RolloutEngine
+from megatron_p3o.model.hf.mapping import parse_moe_hf_name
+from megatron_p3o.rollout.engine import Bucket, RolloutEngine
+from megatron_p3o.types import Sample, SamplingParams
+from megatron_p3o.weight_sync.fp8 import FP8_LINEARS as _FP8_LINEARS
+from megatron_p3o.weight_sync.fp8 import FP8_MAX, quant_dequant_block
 
 PRECISIONS = {
     "fp32": torch.float32,
@@ -254,7 +254,8 @@ class EmbeddedEngine(RolloutEngine):
 
     def _target(self, name: str):
         """``(parameter name, index into it)`` of an HF tensor: itself, or (MoE checkpoint
-        names, :data:`~megatron_p3o.hf.mapping.MOE_HF_NAMES`) the router, or one routed expert's
+        names, :data:`~megatron_p3o.model.hf.mapping.MOE_HF_NAMES`) the router, or one routed
+        expert's
         slice of transformers' fused ``experts.gate_up_proj [E, 2·I, h]`` (gate rows first) /
         ``experts.down_proj [E, h, I]``."""
         moe = parse_moe_hf_name(name)

@@ -11,7 +11,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 import torch
 
-from ..types import Sample, SamplingError, SamplingParams
+from megatron_p3o.types import Sample, SamplingError, SamplingParams
 
 Bucket = List[Tuple[str, torch.Tensor]]
 

@@ -44,11 +44,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..errors import UserError
-from ..types import Group, Sample, SamplingParams
-from .config import RolloutConfig, RolloutShard
-from .engine import RolloutEngine
-from .prompts import PromptData, PromptItem
+from megatron_p3o.data.prompts import PromptData, PromptItem
+from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
+from megatron_p3o.rollout.engine import RolloutEngine
+from megatron_p3o.runtime.errors import UserError
+from megatron_p3o.types import Group, Sample, SamplingParams
 
 ScoreFn = Callable[[Sequence[Sample], Sequence[str]], List[float]]
 NamedTensors = List[Tuple[str, torch.Tensor]]
@@ -208,7 +208,7 @@ class RolloutScheduler:
         if self._thread is not None and not self._thread.is_alive():
             raise RuntimeError("rollout producer thread died") from None
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """What a checkpoint after ``consumed`` = c batches needs (module docstring): the batches
         c … c + K − 1 whole (``carried``; this waits until the producer made them), the data
         cursor before batch c + K and the re-evaluation requests from publication c − 1 on."""
@@ -231,7 +231,28 @@ class RolloutScheduler:
                 for s, p in sorted(self._pubs.items())
                 if s >= upto - k - 1 and p.reeval
             ]
-        return {"data": data or self.data.state(), "pending": pending, "carried": carried}
+        return {"data": data or self.data.state_dict(), "pending": pending, "carried": carried}
+
+    @staticmethod
+    def cursor_before_carried(state: dict) -> dict:
+        """The data cursor before a saved state's carried batches (the live one when none is
+        carried): where a resumed run at another DP size makes those batches again."""
+        carried = state.get("carried", [])
+        return carried[0]["data_state"] if carried else state["data"]
+
+    @staticmethod
+    def pending_reevals(state: dict) -> list:
+        """The re-evaluation requests a saved state's publications still owed."""
+        return [x for p in state["pending"] for x in p["reeval"]]
+
+    @staticmethod
+    def carried_reevals(state: dict) -> list:
+        """The re-evaluated groups of a saved state's carried batches, as requests
+        (``[index, prompt_ids, answer]``), for a run that makes those batches again."""
+        return [
+            [g["index"], g["prompt_ids"], g["answer"]]
+            for b in state.get("carried", []) for g in b["groups"] if g["source"] == "reeval"
+        ]  # fmt: skip
 
     def weights_state(self) -> Optional[dict]:
         """Under lagged sync: the weights the batches after the checkpoint are due from when they
@@ -280,7 +301,7 @@ class RolloutScheduler:
 
     def ensure_weights(self, pub: Publication) -> None:
         """Load ``pub``'s weights into the engine unless it already holds that version."""
-        from ..weight_sync import iter_hf_buckets
+        from megatron_p3o.weight_sync import iter_hf_buckets
 
         with self.engine_lock:
             # WeightsPushed: the backend pushed them to its server itself
@@ -314,7 +335,7 @@ class RolloutScheduler:
         with self.engine_lock:
             self.ensure_weights(pub)
             with self._cond:
-                self._data_before[j] = self.data.state()
+                self._data_before[j] = self.data.state_dict()
                 self._cond.notify_all()
             reeval = reeval[: sh.prompts]
             items = [PromptItem(i, list(ids), a) for i, ids, a in reeval]

@@ -50,7 +50,7 @@ def parse_sets(items) -> dict:
     """``["steps=2", "optim.lr=1e-4"]`` → ``{"steps": 2, "optim.lr": 1e-4}`` (values are YAML)."""
     import yaml
 
-    from megatron_p3o.config import ConfigError
+    from megatron_p3o.runtime.errors import ConfigError
 
     out = {}
     for item in items:
@@ -92,7 +92,7 @@ def sets_text(sets) -> str:
 
 def check_same_sets(grid, todo, sets) -> None:
     """Refuse finished cells whose recorded ``--set`` items differ from this invocation's."""
-    from megatron_p3o.config import ConfigError
+    from megatron_p3o.runtime.errors import ConfigError
     from megatron_p3o.stress.runner import finished
 
     want = sets_text(sets)
@@ -109,7 +109,7 @@ def check_same_sets(grid, todo, sets) -> None:
 def check_base(grid, checkpoint: str) -> None:
     """The grid's ``base_hash``: the cells must start from that base (the shipped one), not from
     one trained on this CPU, whose weights differ on another instruction set. One line if not."""
-    from megatron_p3o.config import ConfigError
+    from megatron_p3o.runtime.errors import ConfigError
     from megatron_p3o.stress.provenance import tree_hash
 
     if not Path(checkpoint).exists():
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     else:
         import torch.distributed as dist
 
-        from megatron_p3o.parallel import init_distributed
+        from megatron_p3o.runtime.parallel import init_distributed
 
         init_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -284,6 +284,6 @@ _DIST_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "megatron_p3o.stress")

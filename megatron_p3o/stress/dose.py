@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .grid import GridConfig, control_setting, family_label
-from .stats import adjust, mean_sd, seed_paired, seed_scores, t_ppf
+from megatron_p3o.stress.grid import GridConfig, control_setting, family_label
+from megatron_p3o.stress.stats import adjust, mean_sd, seed_paired, seed_scores, t_ppf
 
 # the control's level on axes whose neutral point is not 0 (engine / trainer temperature ratio)
 NEUTRAL = {"engine_temperature": 1.0}
@@ -117,7 +117,7 @@ def plot_dose(out: Path, grid: GridConfig, cells: List[dict]) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import _save
+    from megatron_p3o.stress.plots import _save
 
     control = control_setting(grid)
     fig, panels = plt.subplots(

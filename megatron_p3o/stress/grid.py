@@ -51,7 +51,9 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from ..config import ConfigError, TrainConfig, _build, load_config, load_yaml_mapping
+from megatron_p3o.config.loading import _build, load_config, load_yaml_mapping
+from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -391,7 +393,7 @@ def _cell_config(grid: GridConfig, cell: Cell, world_size: int) -> TrainConfig:
         # server and opens its own weight-update rendezvous, so each gets free ports unless the
         # grid pins them. (Multi-rank cells run one at a time, on the recipe's ports: every
         # rank must agree on them.)
-        from ..ports import free_port
+        from megatron_p3o.runtime.ports import free_port
 
         pinned = {o.split("=", 1)[0] for o in cell.overrides}
         ports = [
@@ -400,4 +402,4 @@ def _cell_config(grid: GridConfig, cell: Cell, world_size: int) -> TrainConfig:
             if k not in pinned
         ]
         cfg = load_config(grid.base, cell.overrides + run + ports)
-    return cfg.validate(world_size)
+    return cfg.with_task_files().validate(world_size)

@@ -5,7 +5,7 @@ A grid turns this on with ``eval.sets`` and ``eval.every`` in its ``set:`` (and
 ``reference.enabled: true`` for the KL to the reference): each cell then evaluates the sets at
 the base weights, every ``eval.every`` steps and at the end (``stress.runner``), and keeps the
 curve in its ``cell.json``. The per-step curves of entropy, KL to the reference and completion
-length come from ``metrics.jsonl`` (``report.plot_curves``).
+length come from ``metrics.jsonl`` (``plots.plot_curves``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .grid import GridConfig
-from .mechanisms import seed_table
-from .stats import mean_sd
+from megatron_p3o.stress.grid import GridConfig
+from megatron_p3o.stress.mechanisms import seed_table
+from megatron_p3o.stress.stats import mean_sd
 
 
 def _curve_keys(cells: List[dict]) -> List[str]:
@@ -77,7 +77,7 @@ def plot_eval_curves(out: Path, grid: GridConfig, cells: List[dict]) -> Optional
             if i == len(keys) - 1:
                 ax.set_xlabel("step")
     axes[0][0].legend(fontsize=7)
-    from .report import _save
+    from megatron_p3o.stress.plots import _save
 
     title = f"{grid.name}: eval sets over training (seed mean ± s.d.)"
     return _save(fig, out / "eval_curves.png", title)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional
 
-from .grid import GridConfig, arm_of, control_setting
-from .stats import adjust, mean_sd, seed_paired, seed_scores
+from megatron_p3o.stress.grid import GridConfig, arm_of, control_setting
+from megatron_p3o.stress.stats import adjust, mean_sd, seed_paired, seed_scores
 
 
 def family(label: str) -> str:

@@ -13,11 +13,13 @@ Columns (each the mean over seeds ± seed s.d. of a per-cell run average):
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Callable, List, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .grid import GridConfig
-from .stats import mean_sd
+from megatron_p3o.stress.grid import GridConfig
+from megatron_p3o.stress.stats import mean_sd
 
 # (column, cell key, format); the cell keys come from stress.runner.summarize
 COLUMNS = (
@@ -94,3 +96,90 @@ def mechanisms_section(grid: GridConfig, cells: List[dict]) -> List[str]:
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# -- reuse: what each epoch over the same rollout batch looks like ------------------------------
+
+# (column, per_step key, format)
+EPOCH_COLUMNS = (
+    ("e_B", "ess", ".3f"),
+    ("KL(πb‖πθ)", "kl_behavior_theta", ".4f"),
+    ("tokens with ρ > e_B", "frac_rho_above_ess", ".0%"),
+    ("‖g‖ before clip", "grad_norm", ".2f"),
+    ("steps clipped", "grad_clipped", ".0%"),
+    ("‖Δθ‖/‖θ‖ ×1e3", "update_rel", "1e3"),
+)
+EPOCH_ARMS = ("p3o", "p3o_no_kl", "p3o_capped", "tis")
+
+
+def cell_epochs(metrics: Path) -> Dict[int, Dict[str, float]]:
+    """``{epoch: {per_step key: mean over the run's rollout batches}}`` from a cell's
+    ``metrics.jsonl`` (each line's ``per_step``: one entry per optimizer step, with its epoch)."""
+    acc: Dict[int, Dict[str, List[float]]] = {}
+    for line in metrics.read_text().splitlines():
+        for st in json.loads(line).get("per_step") or []:
+            row = acc.setdefault(int(st.get("epoch", 0)), {})
+            for _, k, _ in EPOCH_COLUMNS:
+                if _finite(st.get(k)):
+                    row.setdefault(k, []).append(float(st[k]))
+    return {e: {k: sum(v) / len(v) for k, v in row.items()} for e, row in sorted(acc.items())}
+
+
+def epoch_rows(
+    grid: GridConfig, cells: List[dict], chosen: Dict[tuple, Optional[str]]
+) -> List[dict]:
+    """One row per (reuse setting, arm at its chosen rate, seed, epoch), read from the finished
+    cells' run directories under ``grid.work`` (settings of family ``reuse_epochs``)."""
+    rows = []
+    for mm, spec in grid.mismatch.items():
+        if spec.family != "reuse_epochs":
+            continue
+        for (arm, setting), label in sorted(chosen.items(), key=lambda kv: kv[0]):
+            if setting != mm or label is None:
+                continue
+            for c in cells:
+                if c["objective"] != label or c["mismatch"] != mm or c.get("status") != "ok":
+                    continue
+                seed = c["seed"]
+                f = Path(grid.work) / c["cell"] / "metrics.jsonl"
+                if not f.is_file():
+                    continue
+                for e, vals in cell_epochs(f).items():
+                    rows.append(
+                        {"setting": mm, "arm": arm, "label": label, "seed": seed,
+                         "epoch": e + 1, **vals}
+                    )  # fmt: skip
+    return rows
+
+
+def epoch_section(grid: GridConfig, rows: List[dict]) -> List[str]:
+    """Markdown: per reuse setting, arm (:data:`EPOCH_ARMS`) and epoch, mean ± seed s.d. of each
+    :data:`EPOCH_COLUMNS` value (empty without reuse cells)."""
+    if not rows:
+        return []
+    lines = [
+        "## Reuse: each epoch over the same rollout batch (mean ± seed s.d.)",
+        "",
+        "Per epoch of `batch.epochs` (the same rollout batch trained on again), each arm at its "
+        "chosen rate, all seeds: the step's e_B, the KL(πb‖πθ) to the engine that sampled the "
+        "batch, the share of valid tokens whose ρ exceeds e_B (capped in P3O's score term), the "
+        "gradient norm before clipping, the share of steps clipped and the update's relative "
+        "size. Every arm's rows are in `epochs.csv`.",
+        "",
+        "| setting | arm | epoch | " + " | ".join(n for n, _, _ in EPOCH_COLUMNS) + " |",
+        "|---" * (len(EPOCH_COLUMNS) + 3) + "|",
+    ]
+    for mm in dict.fromkeys(r["setting"] for r in rows):
+        for arm in EPOCH_ARMS:
+            sel = [r for r in rows if r["setting"] == mm and r["arm"] == arm]
+            if not sel:
+                continue
+            lab = sel[0]["label"]
+            rate = lab.split("@lr", 1)[1] if "@lr" in lab else ""
+            for e in sorted({r["epoch"] for r in sel}):
+                at = [r for r in sel if r["epoch"] == e]
+                vals = [mean_sd_text([r.get(k, float("nan")) for r in at], f)
+                        for _, k, f in EPOCH_COLUMNS]  # fmt: skip
+                name = f"{arm} (lr {rate})" if rate else arm
+                lines.append(f"| {mm} | {name} | {e} | " + " | ".join(vals) + " |")
+    return lines

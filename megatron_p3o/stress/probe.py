@@ -28,9 +28,14 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ..errors import DataError
+from megatron_p3o.runtime.collectives import (
+    all_gather_objects,
+    all_sum,
+    broadcast,
+    broadcast_objects,
+)
+from megatron_p3o.runtime.errors import DataError
 
 # one sequence's valid tokens: (global prompt index, ℓθ, ℓb)
 _Row = Tuple[int, List[float], List[float]]
@@ -94,8 +99,8 @@ def _probe(trainer, n_prompts, path=None, keep=False, on_phase=None):
     """``(sums, rows, prompts)``: the float64 sums ``[Σ|Δℓ|, Σ|ΣΔℓ|, Σ(ρ−1−Δℓ), tokens,
     sequences]`` over every rank and, with ``keep``, every sequence's ``(prompt index, ℓθ, ℓb)``
     gathered to every rank (unordered)."""
-    from ..policy_update import score_responses
-    from ..rollout.prompts import all_rows
+    from megatron_p3o.data.prompts import all_rows
+    from megatron_p3o.logprob.scoring import score_responses
 
     cfg, g = trainer.cfg, trainer.groups
     d = cfg.data
@@ -142,11 +147,10 @@ def _probe(trainer, n_prompts, path=None, keep=False, on_phase=None):
             if keep:
                 kept += _rows(r, g.dp_rank, dp)
     if g.layout.dp_enabled:
-        # DP group: each DP rank scored a disjoint share of the probe prompts.
-        dist.all_reduce(sums, group=g.dp)
+        all_sum(sums, g.dp, "each DP rank scored a disjoint share of the probe prompts")
     if g.layout.pp_enabled:
-        # PP group: only the last stage scored; every stage reports the same numbers.
-        dist.broadcast(sums, src=g.last_stage_global_rank(), group=g.pp)
+        broadcast(sums, g.last_stage_global_rank(), g.pp,
+                  "only the last stage scored; every stage reports the same numbers")  # fmt: skip
     if keep:
         phase("gather")
         kept = _gather_rows(kept, g)
@@ -173,14 +177,13 @@ def _rows(r: dict, dp_rank: int, dp: int) -> List[_Row]:
 def _gather_rows(rows: List[_Row], g) -> List[_Row]:
     """Every DP rank's rows on every rank (objects: a few floats per token)."""
     if g.layout.dp_enabled and g.is_last_stage():
-        parts: List[Optional[List[_Row]]] = [None] * dist.get_world_size(g.dp)
-        # DP group: each DP rank scored a disjoint share of the prompts; all of them, on each.
-        dist.all_gather_object(parts, rows, group=g.dp)
+        parts = all_gather_objects(rows, g.dp, "each DP rank scored a disjoint share of the "
+                                   "prompts; all of them, on each")  # fmt: skip
         rows = [x for p in parts for x in (p or [])]
     if g.layout.pp_enabled:
         box = [rows]
-        # PP group: only the last stage scored; every stage gets its rows.
-        dist.broadcast_object_list(box, src=g.last_stage_global_rank(), group=g.pp)
+        broadcast_objects(box, g.last_stage_global_rank(), g.pp,
+                          "only the last stage scored; every stage gets its rows")  # fmt: skip
         rows = box[0]
     return list(rows)
 

@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from ..config import TrainConfig
-from .grid import Cell, GridConfig
+from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.runtime.collectives import barrier
+from megatron_p3o.stress.grid import Cell, GridConfig
 
 SUMMARY = "cell.json"
 
@@ -118,16 +119,15 @@ def run_cell(
     (also written to ``cell.json`` on rank 0)."""
     import torch.distributed as dist
 
-    from ..evaluation import sets_due
-    from ..parallel import initialize
-    from ..trainer import Trainer
+    from megatron_p3o.evaluation.heldout import sets_due
+    from megatron_p3o.runtime.parallel import initialize
+    from megatron_p3o.trainer import Trainer
 
     run_dir = Path(cfg.run.dir) / cfg.run.name
     if rank == 0 and run_dir.exists():
         shutil.rmtree(run_dir)  # an interrupted cell starts again from scratch
     if dist.is_initialized():
-        # World: nobody may open the run directory before rank 0 has cleared it.
-        dist.barrier()
+        barrier(dist.group.WORLD, "nobody opens the run directory before rank 0 cleared it")
     p = cfg.parallel
     groups = initialize(p.layout(), seed=cfg.run.seed)
     t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def run_cell(
     probe: Dict[str, float] = {}
     try:
         if grid.probe_prompts:  # the setting's exogenous mismatch, before any step
-            from .probe import probe_mismatch
+            from megatron_p3o.stress.probe import probe_mismatch
 
             probe = probe_mismatch(trainer, grid.probe_prompts)
         acc0 = _start_accuracy(grid, cfg, trainer)
@@ -176,8 +176,7 @@ def run_cell(
         tmp.replace(run_dir / SUMMARY)  # the marker appears whole or not at all
         file_in_store(grid, cfg, run_dir, summary)
     if grid.store and dist.is_initialized():
-        # every rank must see the stored cell before asking finished() about the next one
-        dist.barrier()
+        barrier(dist.group.WORLD, "every rank sees the stored cell before the next finished()")
     return summary
 
 
@@ -249,7 +248,7 @@ _hash_cache: Dict[tuple, str] = {}
 
 def _file_hash(path: str) -> str:
     """tree_hash of a checkpoint or data file, once per process and (path, mtime, size)."""
-    from .provenance import tree_hash
+    from megatron_p3o.stress.provenance import tree_hash
 
     if not path:
         return "none"
@@ -267,7 +266,7 @@ def code_key() -> str:
     import hashlib
     import subprocess
 
-    from .provenance import _ROOT, code_commit
+    from megatron_p3o.stress.provenance import _ROOT, code_commit
 
     if "code" in _hash_cache:
         return _hash_cache["code"]
@@ -284,8 +283,8 @@ def code_key() -> str:
 
 def store_material(grid: GridConfig, cfg: TrainConfig) -> dict:
     """What a cell's numbers depend on (the store's key is its hash)."""
-    from ..config import to_dict
-    from .provenance import cpu_isa
+    from megatron_p3o.config.loading import to_dict
+    from megatron_p3o.stress.provenance import cpu_isa
 
     conf = to_dict(cfg)
     for dotted in STORE_SKIP:
@@ -319,7 +318,7 @@ _key_cache: Dict[tuple, tuple] = {}
 def _cell_key(grid: GridConfig, cell: Cell) -> tuple:
     """(key, material) of a cell of ``grid`` (its config as :func:`~.grid.cell_config` makes it
     for the grid's world size), cached per process: :func:`finished` is called often."""
-    from .grid import cell_config
+    from megatron_p3o.stress.grid import cell_config
 
     k = (grid.work, grid.store, cell.id, tuple(cell.overrides), grid.eval_limit, grid.probe_prompts)
     if k not in _key_cache:
@@ -373,7 +372,7 @@ def reuse(grid: GridConfig, cell: Cell) -> Optional[Dict]:
         reused_from=f"{origin} (store key {key})",
     )
     if grid.path:  # the grid it now belongs to (the original grid's hash is kept beside it)
-        from .provenance import tree_hash
+        from megatron_p3o.stress.provenance import tree_hash
 
         rec["reused_grid_hash"] = rec.get("grid_hash", "unrecorded")
         rec["grid_hash"] = tree_hash(grid.path)

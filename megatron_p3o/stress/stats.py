@@ -400,3 +400,25 @@ def seeds_for_power(delta: float, sd: float, power: float = 0.8, alpha: float = 
     while power_paired(delta, sd, n, alpha) < power and n < 1000:
         n += 1
     return n
+
+
+def power_tost(sd: float, n: int, margin: float, alpha: float = 0.05, n_sim: int = 20000) -> float:
+    """Power of the paired TOST at ±``margin`` (both one-sided t-tests at level ``alpha``) when
+    the true mean difference is 0 and the per-seed s.d. is ``sd`` with ``n`` seeds (simulated,
+    fixed generator)."""
+    g = torch.Generator().manual_seed(2)
+    x = sd * torch.randn(n_sim, n, generator=g, dtype=torch.float64)
+    m, se = x.mean(-1), x.std(-1) / math.sqrt(n)
+    crit = t_ppf(1 - alpha, n - 1)
+    return float((((m + margin) / se > crit) & ((margin - m) / se > crit)).double().mean())
+
+
+def seeds_for_equivalence(
+    sd: float, margin: float, power: float = 0.8, alpha: float = 0.05, cap: int = 200
+) -> int:
+    """The fewest seeds (≥ 2) whose TOST at ±``margin`` reaches ``power`` when the arms are truly
+    equal and the per-seed s.d. of the difference is ``sd``; ``cap`` when more would be needed."""
+    n = 2
+    while n < cap and power_tost(sd, n, margin, alpha) < power:
+        n += 1
+    return n

@@ -20,11 +20,11 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
-from .provenance import grid_runs, mixed, wall_text
-from .stats import VERDICTS
+from megatron_p3o.stress.provenance import grid_runs, mixed, wall_text
+from megatron_p3o.stress.stats import VERDICTS
 
 if TYPE_CHECKING:
-    from .grid import GridConfig
+    from megatron_p3o.stress.grid import GridConfig
 # the rest of .stress imports megatron-core (through the config): imported where used, after
 # the CLI has silenced its known import-time warnings
 
@@ -47,8 +47,8 @@ def read_cells(path: str | Path) -> List[dict]:
 
 
 def _lrs(grid: GridConfig) -> str:
-    from .lr_sweep import label_rate
-    from .report import _base_lr
+    from megatron_p3o.stress.lr_sweep import label_rate
+    from megatron_p3o.stress.report import _base_lr
 
     base = _base_lr(grid)
     rates = {float(label_rate(grid, k, base) or math.nan) for k in grid.objectives}
@@ -57,8 +57,9 @@ def _lrs(grid: GridConfig) -> str:
 
 def _task(grid: GridConfig) -> str:
     """What the cells learn: the base recipe's ``data.task``, else its reward function (the
-    addition grids' ``megatron_p3o.tasks.arithmetic:reward``), else its data file."""
-    from ..config import ConfigError, load_config
+    addition grids' ``megatron_p3o.data.tasks.arithmetic:reward``), else its data file."""
+    from megatron_p3o.config.loading import load_config
+    from megatron_p3o.runtime.errors import ConfigError
 
     try:
         cfg = load_config(grid.base)
@@ -99,10 +100,10 @@ def design_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[s
 
 def break_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     """objective × (grid, axis): the break level, or "none (worst Δ)" when no level broke it."""
-    from .dose import axes, break_points
-    from .grid import family_label
-    from .lr_sweep import learning_rates
-    from .report import _base_lr
+    from megatron_p3o.stress.dose import axes, break_points
+    from megatron_p3o.stress.grid import family_label
+    from megatron_p3o.stress.lr_sweep import learning_rates
+    from megatron_p3o.stress.report import _base_lr
 
     cols, table = [], {}
     for g in grids:
@@ -140,7 +141,7 @@ def break_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[st
 def call_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     """Every win or loss of the grids' headline tables (Holm within each grid), and the ties
     counted."""
-    from .report import headline_tests
+    from megatron_p3o.stress.report import headline_tests
 
     lines = [
         "| grid | setting | comparison | mean Δ [95% t-CI] | p Holm | call |",
@@ -169,8 +170,15 @@ def family_rows(
     """(table, sentences) of the study's ONE confirmatory family: every grid's ``preregistered``
     comparisons adjusted together (superiority and TOST, :func:`~.report.adjust_family`), then
     the exploratory comparisons (not declared: outside the family, unadjusted)."""
-    from .lr_sweep import chosen_rates
-    from .report import V4_HEADER, _base_lr, _chosen_label, adjust_family, v4_row, v4_tests
+    from megatron_p3o.stress.lr_sweep import chosen_rates
+    from megatron_p3o.stress.report import (
+        V4_HEADER,
+        _base_lr,
+        _chosen_label,
+        adjust_family,
+        v4_row,
+        v4_tests,
+    )
 
     declared, exploratory, chosen = [], [], {}
     for g in grids:
@@ -220,7 +228,7 @@ def family_rows(
 def declaration_changes(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     """One sentence per grid whose file (where its family is declared) differs from the file its
     cells ran under (their ``grid_hash``): the declaration may have changed after the runs."""
-    from .provenance import tree_hash
+    from megatron_p3o.stress.provenance import tree_hash
 
     out = []
     for g in grids:
@@ -243,8 +251,8 @@ def power_rows(
     """Per grid: the median seed s.d. of its headline paired differences, the power its seed
     count has for a true difference of ``delta`` — at α = 0.05 and at α = 0.05/m (the first Holm
     step over its m tests, a lower bound of the corrected power) — and the seeds 80% needs."""
-    from .report import headline_tests
-    from .stats import power_paired, seeds_for_power
+    from megatron_p3o.stress.report import headline_tests
+    from megatron_p3o.stress.stats import power_paired, seeds_for_power
 
     lines = [
         f"| grid | seeds | tests m | median paired s.d. | power for Δ = {delta:g} at α 0.05 | "
@@ -253,7 +261,7 @@ def power_rows(
     ]
     for g in grids:
         if g.v4:  # its declared comparisons (on its test seeds under lr_select)
-            from .report import _base_lr, v4_tests
+            from megatron_p3o.stress.report import _base_lr, v4_tests
 
             rows = v4_tests(g, cells[g.name], _base_lr(g))[0]
             tests = [r[-1] for r in rows if r[-1] is not None]
@@ -273,9 +281,9 @@ def power_rows(
 
 
 def lr_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
-    from .grid import control_setting
-    from .lr_sweep import best_rates, learning_rates, sensitivity
-    from .report import _base_lr
+    from megatron_p3o.stress.grid import control_setting
+    from megatron_p3o.stress.lr_sweep import best_rates, learning_rates, sensitivity
+    from megatron_p3o.stress.report import _base_lr
 
     lines = []
     for g in grids:
@@ -307,8 +315,8 @@ def lr_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
 
 def _lr_select_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> List[str]:
     """The v4 grids' chosen rates (their reports' tables, one per grid)."""
-    from .lr_sweep import lr_select_section
-    from .report import _base_lr
+    from megatron_p3o.stress.lr_sweep import lr_select_section
+    from megatron_p3o.stress.report import _base_lr
 
     out = []
     for g in grids:
@@ -319,14 +327,14 @@ def _lr_select_rows(grids: List[GridConfig], cells: Dict[str, List[dict]]) -> Li
 
 
 def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
-    from .grid import load_grid
+    from megatron_p3o.stress.grid import load_grid
 
     grids = [load_grid(p) for p in grid_paths]
     cells = {}
     for g in grids:
         f = Path(g.out) / "cells.csv"
         if not f.is_file():
-            from ..config import ConfigError
+            from megatron_p3o.runtime.errors import ConfigError
 
             raise ConfigError(f"{f}: no report of grid {g.name} yet (run it, or --report-only)")
         cells[g.name] = read_cells(f)
@@ -420,6 +428,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "megatron_p3o.stress.study")

@@ -23,10 +23,10 @@ from __future__ import annotations
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .export import is_expert, iter_hf_tensors
-from .stream import _ep_peer_of_first_replica
+from megatron_p3o.runtime.collectives import all_gather_objects, broadcast
+from megatron_p3o.weight_sync.export import is_expert, iter_hf_tensors
+from megatron_p3o.weight_sync.stream import _ep_peer_of_first_replica
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
 
@@ -56,9 +56,8 @@ def iter_colocated_buckets(
         item = next(mine, None)
         owner = item is not None and g.tp_rank == 0 and (first or is_expert(item[0]))
         offer = (item[0], tuple(item[1].shape), item[1].dtype) if owner else None
-        offers: list = [None] * g.world_size
-        # objects group (every rank): which tensors this step carries, and who holds them.
-        dist.all_gather_object(offers, offer, group=objects)
+        offers = all_gather_objects(offer, objects, "which tensors this step carries, and who "
+                                    "holds them (every rank, gloo)")  # fmt: skip
         if all(o is None for o in offers):
             break
         for src, meta in enumerate(offers):
@@ -69,9 +68,8 @@ def iter_colocated_buckets(
                 buf = item[1].detach().contiguous()
             else:
                 buf = torch.empty(shape, dtype=dtype, device=g.device)
-            # default group (every rank): one full HF tensor from the rank that holds it to the
-            # ranks whose GPUs serve the colocated server (the others drop it at once).
-            dist.broadcast(buf, src=src)
+            broadcast(buf, src, g.world, "one full HF tensor from its holder to the ranks whose "
+                      "GPUs serve the colocated server (the others drop it)")  # fmt: skip
             if receive:
                 got = [(name, buf)]
                 bucket += transform(got) if transform is not None else got

@@ -3,7 +3,7 @@
 Why: the rollout engine (SGLang or the embedded one) holds an HF-layout model; after each
 optimizer step (or every L steps) the trainer pushes its weights there. TP shards are gathered
 over the TP group; each pipeline stage yields only its own layers (global layer numbers), so the
-stages can push in parallel. Names, fusions and padding follow :mod:`megatron_p3o.hf.mapping`,
+stages can push in parallel. Names, fusions and padding follow :mod:`megatron_p3o.model.hf.mapping`,
 the same table the checkpoint converters use.
 """
 
@@ -13,11 +13,17 @@ import re
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ..hf.mapping import TensorMap, canonical_name, parse_moe_hf_name, tensor_maps, to_hf
-from ..model.description import ModelDescription
-from ..parallel import ParallelGroups
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.model.hf.mapping import (
+    TensorMap,
+    canonical_name,
+    parse_moe_hf_name,
+    tensor_maps,
+    to_hf,
+)
+from megatron_p3o.runtime.collectives import all_gather_into
+from megatron_p3o.runtime.parallel import ParallelGroups
 
 _LOCAL_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
 
@@ -35,10 +41,11 @@ def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> to
     if tm.tp_dim is None or tp == 1:
         return local.detach()
     parts = [torch.empty_like(local) for _ in range(tp)]
-    # TP group (expert-TP for expert weights): every rank holds one slice of this tensor; the
-    # engine needs it whole.
-    dist.all_gather(
-        parts, local.detach().contiguous(), group=groups.expt_tp if expert else groups.tp
+    all_gather_into(
+        parts,
+        local.detach().contiguous(),
+        groups.expt_tp if expert else groups.tp,
+        "every TP (expert-TP) rank holds one slice; the engine needs it whole",
     )
     if local.is_cuda:  # the host waits for the gather: a rank cannot queue the next ones
         torch.cuda.current_stream().synchronize()  # ahead of its peers (nor their buffers)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ..model.description import ModelDescription
-from ..parallel import ParallelGroups
-from .export import is_expert, iter_hf_tensors
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime.collectives import all_gather_objects
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.weight_sync.export import is_expert, iter_hf_tensors
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
 
@@ -38,16 +38,17 @@ class TrainerWeights:
         if self.extra is not None:
             tensors += self.extra()
         if self.groups.layout.pp_enabled:
-            parts: List = [None] * self.groups.layout.pp
-            # PP group: each stage exported its own layers; every rank's engine needs them all.
-            dist.all_gather_object(parts, tensors, group=self.groups.pp)
+            parts = all_gather_objects(tensors, self.groups.pp, "each stage exported its own "
+                                       "layers; every rank's engine needs them all")  # fmt: skip
             tensors = [t for p in parts for t in p]
         if self.groups.layout.ep_enabled:
             mine = [(n, t) for n, t in tensors if is_expert(n)]
-            parts = [None] * self.groups.layout.ep
-            # EP group: each expert-parallel rank holds num_experts / ep of every MoE layer's
-            # experts; every rank's engine needs them all.
-            dist.all_gather_object(parts, mine, group=self.groups.ep)
+            parts = all_gather_objects(
+                mine,
+                self.groups.ep,
+                "each EP rank holds num_experts / ep "
+                "of every MoE layer's experts; every engine needs all",
+            )
             tensors = [(n, t) for n, t in tensors if not is_expert(n)]
             tensors += [t for p in parts for t in p]
         return tensors
@@ -55,7 +56,7 @@ class TrainerWeights:
     def to_rank0(self, bucket_bytes: Optional[int] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """Every HF tensor, streamed stage by stage to global rank 0 (all ranks iterate); later
         stages send ``bucket_bytes`` at a time, when rank 0 asks for them."""
-        from .stream import STREAM_BUCKET_BYTES, iter_hf_tensors_to_rank0
+        from megatron_p3o.weight_sync.stream import STREAM_BUCKET_BYTES, iter_hf_tensors_to_rank0
 
         return iter_hf_tensors_to_rank0(
             self.chunks, self.groups, self.desc, bucket_bytes or STREAM_BUCKET_BYTES

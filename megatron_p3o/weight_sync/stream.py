@@ -23,9 +23,16 @@ from typing import Iterator, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..model.description import ModelDescription
-from ..parallel import ParallelGroups
-from .export import is_expert, iter_hf_tensors
+from megatron_p3o.model.description import ModelDescription
+from megatron_p3o.runtime.collectives import (
+    all_gather_objects,
+    recv,
+    recv_objects,
+    send,
+    send_objects,
+)
+from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.weight_sync.export import is_expert, iter_hf_tensors
 
 STREAM_BUCKET_BYTES = 256 * 2**20  # a later stage's bytes per request of rank 0
 _NEXT, _END = "next", None
@@ -48,7 +55,7 @@ def iter_hf_tensors_to_rank0(
             if g.tp_rank == 0 and is_expert(name):
                 _send(name, t, dst, g.ep)  # EP group: this rank's experts, to the first replica
         if g.tp_rank == 0:
-            dist.send_object_list([None], dst=dst, group=g.ep)
+            send_objects([None], dst, g.ep, "end of this rank's experts")
         return
     if not first:
         return
@@ -74,20 +81,17 @@ def _serve_stage(tensors, g: ParallelGroups, bucket_bytes: int) -> None:
     tensors = iter(tensors)
     while True:
         ask = [None]
-        # PP group: rank 0 asks this stage for its next bucket (it has taken the last one).
-        dist.recv_object_list(ask, src=src, group=g.pp)
+        recv_objects(ask, src, g.pp, "rank 0 asks this stage for its next bucket")
         bucket, size = [], 0
         for name, t in tensors:
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= bucket_bytes:
                 break
-        # PP group: the bucket's names, shapes and dtypes (None: this stage is done) ...
         metas = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
-        dist.send_object_list([metas or _END], dst=src, group=g.pp)
+        send_objects([metas or _END], src, g.pp, "the bucket's names, shapes, dtypes (or: done)")
         for _, t in bucket:
-            # ... then its tensors, to global rank 0, which pushes them to the server.
-            dist.send(t.contiguous(), dst=src, group=g.pp)
+            send(t.contiguous(), src, g.pp, "the bucket's tensors, to rank 0, which pushes them")
         if not bucket:
             return
 
@@ -95,50 +99,50 @@ def _serve_stage(tensors, g: ParallelGroups, bucket_bytes: int) -> None:
 def _pull_stage(src: int, group) -> Iterator[Tuple[str, torch.Tensor]]:
     """Rank 0: a later stage's tensors, bucket by bucket; the next bucket is asked for as soon as
     one arrives (one bucket in flight while this one is pushed)."""
-    # PP group: the first request to this stage.
-    dist.send_object_list([_NEXT], dst=src, group=group)
+    send_objects([_NEXT], src, group, "the first request to this stage")
     while True:
         metas = [None]
-        dist.recv_object_list(metas, src=src, group=group)
+        recv_objects(metas, src, group, "the stage's next bucket: names, shapes, dtypes")
         if metas[0] is _END:
             return
         dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         bucket = []
         for name, shape, dtype in metas[0]:
             buf = torch.empty(shape, dtype=dtype, device=dev)
-            dist.recv(buf, src=src, group=group)
+            recv(buf, src, group, "one tensor of the stage's bucket")
             bucket.append((name, buf))
-        # PP group: ask for the next bucket while this one is pushed.
-        dist.send_object_list([_NEXT], dst=src, group=group)
+        send_objects([_NEXT], src, group, "ask for the next bucket while this one is pushed")
         yield from bucket
         del bucket
 
 
 def _send(name: str, t: torch.Tensor, dst: int, group) -> None:
-    dist.send_object_list([(name, tuple(t.shape), t.dtype)], dst=dst, group=group)
-    dist.send(t.contiguous(), dst=dst, group=group)
+    send_objects([(name, tuple(t.shape), t.dtype)], dst, group, "the tensor's name and shape")
+    send(t.contiguous(), dst, group, "the tensor itself")
 
 
 def _receive(src: int, group) -> Iterator[Tuple[str, torch.Tensor]]:
     """Tensors from ``src`` (name and shape first) until its end marker."""
     while True:
         meta = [None]
-        dist.recv_object_list(meta, src=src, group=group)
+        recv_objects(meta, src, group, "the next tensor's name and shape (None: the end)")
         if meta[0] is None:
             return
         name, shape, dtype = meta[0]
         dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         buf = torch.empty(shape, dtype=dtype, device=dev)
-        dist.recv(buf, src=src, group=group)
+        recv(buf, src, group, "the tensor itself")
         yield name, buf
 
 
 def _ep_peer_of_first_replica(g: ParallelGroups) -> bool:
     """This rank is a non-zero EP rank whose EP group's rank 0 is in the first DP/CP replica
     (all ranks call this: one object gather over the EP group)."""
-    flags: list = [None] * g.layout.ep
-    # EP group: which members belong to the first replica (the one that pushes).
-    dist.all_gather_object(flags, g.dp_rank == 0 and g.cp_rank == 0, group=g.ep)
+    flags = all_gather_objects(
+        g.dp_rank == 0 and g.cp_rank == 0,
+        g.ep,
+        "which EP members belong to the first replica (it pushes)",
+    )
     return g.ep_rank != 0 and bool(flags[0])
 
 

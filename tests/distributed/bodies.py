@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_p3o.checkpoint import load_model_state, save_model_state
-from megatron_p3o.loss.logprob import vocab_parallel_logprobs
+from megatron_p3o.checkpoint.state import load_model_state, save_model_state
+from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.description import ModelDescription
 from megatron_p3o.model.forward import forward_backward, next_token_targets
-from megatron_p3o.optim import (
+from megatron_p3o.update.optim import (
     OptimConfig,
     UpdateSize,
     build_optimizer,
@@ -321,7 +321,7 @@ def reference_adamw(groups, family: str, init: str, trained: str, steps: int = 2
 
 def try_layout(groups, **layout_kwargs):
     """Return the error message of initializing an impossible layout (None if it worked)."""
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     try:
         initialize(Layout(**layout_kwargs))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import bodies
 

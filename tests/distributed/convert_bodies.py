@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_p3o.checkpoint import load_model_state, save_model_state
-from megatron_p3o.hf.dist_stream import P3O_META_FILE, read_meta
+from megatron_p3o.checkpoint.state import load_model_state, save_model_state
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.forward import forward_backward, next_token_targets
+from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, read_meta
 
 SEQ = 16
 
@@ -195,13 +195,15 @@ def live_export(groups, ckpt: str):
     from megatron_p3o.weight_sync import iter_hf_buckets, iter_hf_tensors
 
     meta, chunks = _load(groups, ckpt)
-    out, sizes = {}, []
+    out, sizes, counts = {}, [], []
     for bucket in iter_hf_buckets(iter_hf_tensors(chunks, groups, meta["description"]), 40_000):
         sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        counts.append(len(bucket))
         out.update({k: v.clone() for k, v in bucket})
     return {
         "tensors": out,
         "bucket_bytes": sizes,
+        "bucket_counts": counts,
         "tp_rank": groups.tp_rank,
         "pp_rank": groups.pp_rank,
     }
@@ -210,7 +212,7 @@ def live_export(groups, ckpt: str):
 def convert_failing_midway(groups, hf_dir: str, out: str, fail_at: int = 6):
     """Reading fails at the ``fail_at``-th tensor, after chunks were written: the error
     propagates and nothing is left behind."""
-    from megatron_p3o.hf import safetensors_io
+    from megatron_p3o.model.hf import safetensors_io
 
     orig = safetensors_io.HFCheckpointReader.get
     calls = {"n": 0}
@@ -242,8 +244,8 @@ def te_shaped_load(groups, ckpt: str):
     checkpoint, which has none; a model needing a tensor the checkpoint lacks is refused."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from megatron_p3o.checkpoint import load_into, load_sharded, sharded_model_state
-    from megatron_p3o.errors import CheckpointError
+    from megatron_p3o.checkpoint.state import load_into, load_sharded, sharded_model_state
+    from megatron_p3o.runtime.errors import CheckpointError
 
     meta = read_meta(ckpt)
     opts = BuildOptions(

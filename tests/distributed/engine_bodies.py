@@ -96,9 +96,9 @@ def colocated_push(
     any rank built, in bytes)."""
     from unittest import mock
 
-    from megatron_p3o.parallel import new_object_group
     from megatron_p3o.rollout.central import CentralEngine
     from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
+    from megatron_p3o.runtime.parallel import new_object_group
     from megatron_p3o.weight_sync import colocated
     from megatron_p3o.weight_sync.source import TrainerWeights
 

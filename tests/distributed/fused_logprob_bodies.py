@@ -14,14 +14,21 @@ from contextlib import contextmanager
 
 import torch
 
-import megatron_p3o.policy_update as pu
-import megatron_p3o.reference as reference_module
-from megatron_p3o.batching import BatchConfig, MicroBatcher
-from megatron_p3o.checkpoint import load_model_state
+import megatron_p3o.logprob.reference as reference_module
+import megatron_p3o.logprob.scoring as pu  # where the trainer calls the fused kernel
+from megatron_p3o.checkpoint.state import load_model_state
+from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs, output_layer_input
 from megatron_p3o.loss import build_objective
-from megatron_p3o.loss.fused_logprob import fused_vocab_parallel_logprobs, output_layer_input
-from megatron_p3o.optim import OptimConfig, build_optimizer, build_scheduler, wrap_ddp, zero_grads
-from megatron_p3o.policy_update import LossConfig, PolicyUpdate
+from megatron_p3o.loss.config import LossConfig
+from megatron_p3o.update.batching import BatchConfig, MicroBatcher
+from megatron_p3o.update.optim import (
+    OptimConfig,
+    build_optimizer,
+    build_scheduler,
+    wrap_ddp,
+    zero_grads,
+)
+from megatron_p3o.update.policy_update import PolicyUpdate
 
 from . import bodies
 from . import packing_bodies as pb

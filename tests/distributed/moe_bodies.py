@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_p3o.checkpoint import load_model_state
-from megatron_p3o.loss.logprob import vocab_parallel_logprobs
+from megatron_p3o.checkpoint.state import load_model_state
+from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
 from megatron_p3o.model.description import description_to_hf_config
 from megatron_p3o.model.forward import forward_backward, next_token_targets
-from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
+from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
 
 from .bodies import FAMILIES, _build, desc_of
 

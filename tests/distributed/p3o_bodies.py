@@ -7,10 +7,11 @@ import math
 
 import torch
 
-from megatron_p3o.checkpoint import load_model_state
+from megatron_p3o.checkpoint.state import load_model_state
 from megatron_p3o.loss import build_objective
-from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
-from megatron_p3o.policy_update import LossConfig, PolicyUpdate
+from megatron_p3o.loss.config import LossConfig
+from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
+from megatron_p3o.update.policy_update import PolicyUpdate
 
 from .bodies import (
     FAMILIES,

@@ -11,14 +11,15 @@ import math
 
 import torch
 
-from megatron_p3o.batching import BatchConfig, MicroBatcher
-from megatron_p3o.checkpoint import load_model_state
+from megatron_p3o.checkpoint.state import load_model_state
 from megatron_p3o.loss import build_objective
+from megatron_p3o.loss.config import LossConfig
 from megatron_p3o.loss.oapl import oapl_advantages
 from megatron_p3o.model.forward import forward_backward
-from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
-from megatron_p3o.policy_update import LossConfig, PolicyUpdate
 from megatron_p3o.types import Sample
+from megatron_p3o.update.batching import BatchConfig, MicroBatcher
+from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
+from megatron_p3o.update.policy_update import PolicyUpdate
 
 from .bodies import FAMILIES, _build, grad_errors, save_grads
 
@@ -129,8 +130,8 @@ def reference(groups, family, init, compare_dirs=(), objective="p3o", hyper=None
 def packed_logits(groups, family, init, perturb: int = -1):
     """Logits of one packed micro-batch of three sequences (forward only), this rank's tokens,
     with sequence ``perturb``'s tokens changed; also which sequence each local token is in."""
-    from megatron_p3o.batching import packed_microbatch
     from megatron_p3o.model.packed import token_index
+    from megatron_p3o.update.batching import packed_microbatch
 
     chunks = _build(family, groups, seq=BUDGET)
     load_model_state(chunks, init)
@@ -170,3 +171,17 @@ def dir_errors(groups, family, a: str, b: str):
         n: float((p.double() - pb_[n].double()).norm() / pb_[n].double().norm().clamp_min(1e-30))
         for n, p in ma.named_parameters()
     }
+
+
+def rollout_metrics_over_dp(groups, per_rank):
+    """``Trainer._reduce_rollout_metrics`` on this rank's rollout numbers ``per_rank[dp_rank]``
+    (the method reads only ``self.groups`` and its class tables)."""
+    from types import SimpleNamespace
+
+    from megatron_p3o.trainer import Trainer
+
+    out = dict(per_rank[groups.dp_rank])
+    me = SimpleNamespace(groups=groups, **{k: getattr(Trainer, k) for k in dir(Trainer)
+                                           if k.startswith("_DP_")})  # fmt: skip
+    Trainer._reduce_rollout_metrics(me, out)
+    return out

@@ -12,16 +12,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_p3o.advantage import rarity_advantages
-from megatron_p3o.batching import BatchConfig, MicroBatcher
-from megatron_p3o.checkpoint import load_model_state
+from megatron_p3o.advantage.estimators import rarity_advantages
+from megatron_p3o.checkpoint.state import load_model_state
+from megatron_p3o.logprob.reference import ReferenceModel
 from megatron_p3o.loss import build_objective
+from megatron_p3o.loss.config import LossConfig
 from megatron_p3o.loss.reval import ReValConfig, reval_rewards
 from megatron_p3o.model.builder import BuildOptions
 from megatron_p3o.model.rollout_head import HeadOptimConfig, RolloutHead
-from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
-from megatron_p3o.policy_update import LossConfig, PolicyUpdate
-from megatron_p3o.reference import ReferenceModel
+from megatron_p3o.update.batching import BatchConfig, MicroBatcher
+from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
+from megatron_p3o.update.policy_update import PolicyUpdate
 
 from .bodies import FAMILIES, _build, desc_of, grad_errors, save_grads
 from .packing_bodies import BUDGET, _my_share, make_samples
@@ -242,7 +243,7 @@ def head_logits_f64(groups, family, init):
 
 
 def r2po_phases(groups, family, init, ref_init, out):
-    """Head phase then policy phase on one batch, as :mod:`megatron_p3o.r2po` runs them: the
+    """Head phase then policy phase on one batch, as :mod:`megatron_p3o.update.r2po` runs them: the
     head's loss and gradients (gathered over TP); the policy phase's loss and ℓold; policy
     gradients saved to ``out``."""
     chunks = _build(family, groups, seq=BUDGET)

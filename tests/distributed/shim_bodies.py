@@ -1,11 +1,12 @@
-"""Training inside :func:`megatron_p3o.cpu_shim.strict` (a CUDA request reaching torch raises):
+"""Training inside :func:`megatron_p3o.runtime.cpu_shim.strict` (a CUDA request reaching torch
+raises):
 model construction, DDP, one packed P3O policy update (ESS pre-pass, global sums), AdamW steps
 of the distributed optimizer with clipping, a distributed checkpoint save and load."""
 
-from megatron_p3o import cpu_shim
-from megatron_p3o.checkpoint import load_model_state, save_model_state
+from megatron_p3o.checkpoint.state import load_model_state, save_model_state
 from megatron_p3o.model.forward import forward_backward
-from megatron_p3o.optim import OptimConfig, build_optimizer, wrap_ddp, zero_grads
+from megatron_p3o.runtime import cpu_shim
+from megatron_p3o.update.optim import OptimConfig, build_optimizer, wrap_ddp, zero_grads
 
 from . import bodies
 from . import packing_bodies as pb

@@ -6,7 +6,7 @@ through the shim's wrappers (the mode it replaced saw every one)."""
 
 import pytest
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import shim_bodies
 

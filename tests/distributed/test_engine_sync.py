@@ -4,7 +4,7 @@ log-probs equal the trainer's; bf16 / fp16 / fp8 engines differ by a measured no
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import engine_bodies
 

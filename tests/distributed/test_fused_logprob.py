@@ -13,7 +13,7 @@ unfused.
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import fused_logprob_bodies as fb
 from . import packing_bodies as pb

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_p3o.model.packed import cp_chunk_positions
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import bodies
 
@@ -61,7 +61,6 @@ def _check(pools, tmp_path, init_ckpts, family, world, layout, n_micro):
     ref = pools(2).run(bodies.reference, Layout(), family=family, init=init, compare_dirs=[grads])[
         0
     ]
-    dp = res[0]["outs"] and 1
     dp = world // (layout.tp * layout.pp * layout.cp)
     logits, lp = _assemble(res, family, n_micro, dp)
     assert not torch.isnan(logits).any(), "some logits were never produced"

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import logprob_bodies as lb
 

@@ -4,7 +4,7 @@ per-sequence reference, with both token dispatchers that run on CPU (allgather, 
 
 import pytest
 
-from megatron_p3o.parallel import Layout, LayoutError
+from megatron_p3o.runtime.parallel import Layout, LayoutError
 
 from . import bodies
 from . import packing_bodies as pb

@@ -4,7 +4,7 @@ per-sequence reference, in every layout; no token sees another sequence."""
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import packing_bodies as pb
 
@@ -181,3 +181,27 @@ def test_p3o_capped_trust_region_packed_in_every_layout(pools, tmp_path, init_ck
         ), (out, losses[out], ref["loss"])
         bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
         assert not bad, f"{out}: gradients differ from the float64 reference: {bad}"
+
+
+@pytest.mark.distributed
+def test_token_means_over_dp_weigh_each_ranks_tokens(pools):
+    """staleness_token_mean over DP ranks holding 1 and 3 tokens: the token mean of all 4
+    (0 + 1 + 1 + 1) / 4 = 0.75, not the mean of the two ranks' means (0 + 1) / 2; the
+    per-sequence mean stays a mean over ranks, the maximum a maximum."""
+    from megatron_p3o.observability.metrics import staleness
+
+    class S:
+        def __init__(self, versions):
+            self.weight_version, self.token_versions = min(versions), versions
+
+        def versions(self):
+            return self.token_versions
+
+    ranks = [staleness([S([5])], trained=5), staleness([S([4, 4, 4])], trained=5)]
+    for r in ranks:
+        r.update(staleness_max=r["staleness_max"], completion_len_max=1.0)
+    want_token = (0 + 1 + 1 + 1) / 4
+    for out in pools(2).run(pb.rollout_metrics_over_dp, Layout(), per_rank=ranks):
+        assert out["staleness_token_mean"] == want_token
+        assert out["staleness_tokens"] == 4.0
+        assert out["staleness_mean"] == (0 + 1) / 2 and out["staleness_token_max"] == 1.0

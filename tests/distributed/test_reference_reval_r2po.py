@@ -6,7 +6,7 @@ over the vocabulary) and both phase losses."""
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import bodies
 from . import reval_r2po_bodies as rb

@@ -5,7 +5,7 @@ routed through the recorded experts; with replay off the trainer routes by itsel
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 from . import bodies
 from . import moe_bodies as mb

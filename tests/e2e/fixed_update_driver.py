@@ -25,24 +25,24 @@ DATA = ROOT / "tests/e2e/data/fixed_update"
 def _count_fused_calls() -> list:
     """Count the trainer's calls of the fused log-prob kernel (model.fused_logprob), so the test
     can tell the fused and the unfused step apart."""
-    from megatron_p3o import policy_update
+    from megatron_p3o.logprob import scoring
 
-    calls, kernel = [0], policy_update.fused_vocab_parallel_logprobs
+    calls, kernel = [0], scoring.fused_vocab_parallel_logprobs
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return kernel(*args, **kwargs)
 
-    policy_update.fused_vocab_parallel_logprobs = counted
+    scoring.fused_vocab_parallel_logprobs = counted
     return calls
 
 
 def main(argv) -> None:
     import torch.distributed as dist
 
-    from megatron_p3o.config import load_config
-    from megatron_p3o.parallel import init_distributed, initialize
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.rollout.scheduler import RolloutResult
+    from megatron_p3o.runtime.parallel import init_distributed, initialize
     from megatron_p3o.trainer import Trainer
     from megatron_p3o.types import Group
 

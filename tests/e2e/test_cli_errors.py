@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_p3o.ports import free_port
+from megatron_p3o.runtime.ports import free_port
 
 from .cli import ENV, ROOT, sglang_disk_sets, torchrun
 from .test_tiny_recipe import _sets

@@ -52,8 +52,8 @@ def test_transformers_loads_it_with_the_trainers_logits(trained_export, base, tm
 def test_its_greedy_accuracy_equals_the_trainers_evaluation(trained_export, base):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_p3o.rollout.prompts import all_rows
-    from megatron_p3o.tasks.arithmetic import reward
+    from megatron_p3o.data.prompts import all_rows
+    from megatron_p3o.data.tasks.arithmetic import reward
 
     run, hf = trained_export
     rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]

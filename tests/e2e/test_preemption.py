@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from megatron_p3o.preemption import EXIT_PREEMPTED, STOP_FILE
+from megatron_p3o.runtime.preemption import EXIT_PREEMPTED, STOP_FILE
 
 from .cli import ENV, ROOT, torchrun
 from .test_resume import _tensors

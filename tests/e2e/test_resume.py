@@ -97,7 +97,7 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.e2e
 def test_kill_during_checkpoint_write_keeps_previous(base, tmp_path):
-    from megatron_p3o.checkpoint import latest_checkpoint
+    from megatron_p3o.checkpoint.state import latest_checkpoint
 
     r = _train(base, tmp_path, "crash", 6, code=CRASH)
     assert r.returncode == 9, r.stderr[-2000:]
@@ -141,6 +141,30 @@ def test_resume_at_another_tensor_parallel_size(base, tmp_path):
     assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"])), (a["loss"], b["loss"])
     assert abs(a["ess"] - b["ess"]) <= 1e-6, (a["ess"], b["ess"])
     assert json.loads((tmp_path / "tp2" / "config.json").read_text())["parallel"]["tp"] == 2
+
+
+@pytest.mark.distributed
+def test_resume_at_another_data_parallel_size_regroups_the_rollout_state(base, tmp_path):
+    """Steps 1–2 on one process with async rollouts (K = 1) and BAPO's buffer, then step 3 on
+    two DP ranks: the data cursor is remapped, the buffers and owed re-evaluations are dealt out
+    to the two ranks (each component's ``regroup``), and the run trains on."""
+    import json
+    import shutil
+
+    sets = ("--set", "rollout.max_staleness=1", "--set", "replay.policy=bapo")
+    first = _train(base, tmp_path, "dp1", 2, *sets)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tmp_path / "dp1", tmp_path / "dp2")
+    code = (
+        "import runpy, sys; sys.argv = ['torchrun', '--nproc-per-node', '2', '--standalone', "
+        "'-m', 'megatron_p3o.train'] + sys.argv[1:]; runpy.run_module('torch.distributed.run', "
+        "run_name='__main__')"
+    )
+    two = _train(base, tmp_path, "dp2", 3, *sets, code=code)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    assert "dp=2" in two.stdout and "(step 2)" in two.stdout, two.stdout[-2000:]
+    m = [json.loads(x) for x in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in m] == [1, 2, 3] and m[-1]["n_tokens"] > 0
 
 
 def _corrupt(ckpt: Path, how: str) -> str:
@@ -225,7 +249,7 @@ def test_resuming_with_another_recipe_is_refused_unless_allowed(base, tmp_path):
 FULL_DISK = """
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails (EFBIG), no kill
-import megatron_p3o.checkpoint as ck
+import megatron_p3o.checkpoint.state as ck
 orig, calls = ck.save_model_state, {"n": 0}
 def limited(*a, **k):
     calls["n"] += 1
@@ -234,7 +258,7 @@ def limited(*a, **k):
     return orig(*a, **k)
 ck.save_model_state = limited
 from megatron_p3o.train import main
-from megatron_p3o.errors import run_cli
+from megatron_p3o.runtime.errors import run_cli
 run_cli(main, "megatron_p3o.train")
 """
 
@@ -245,8 +269,8 @@ def test_a_save_that_fails_keeps_the_previous_checkpoint(base, tmp_path):
     filesystem: every write past it fails with an OS error, as on a full disk) stops the run
     with one line naming the directory and the bytes needed; the partial directory is removed,
     the previous checkpoint and ``latest`` are intact and the same command resumes from them."""
-    from megatron_p3o.checkpoint import LATEST
-    from megatron_p3o.manifest import check
+    from megatron_p3o.checkpoint.manifest import check
+    from megatron_p3o.checkpoint.state import LATEST
 
     r = _train(base, tmp_path, "full", 4, code=FULL_DISK)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]

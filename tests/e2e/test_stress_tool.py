@@ -171,7 +171,7 @@ def test_help_shows_the_whole_description_and_the_prog():
 def test_out_and_set_and_docs_are_never_written_unasked(tmp_path, monkeypatch):
     """Where cells and reports go (the shipped grids' committed reports in docs/ only with an
     explicit --out), and what --set changes, checked on the shipped grids without running."""
-    from megatron_p3o.config import ConfigError
+    from megatron_p3o.runtime.errors import ConfigError
     from megatron_p3o.stress import __main__ as tool
     from megatron_p3o.stress.grid import cell_config, cells, load_grid
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_p3o.ports import free_port
+from megatron_p3o.runtime.ports import free_port
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,10 +47,10 @@ def _tiny_hf(tmp: Path, seed=0):
 @cuda
 @pytest.mark.skipif(not _have("transformer_engine"), reason="needs transformer_engine")
 def test_te_spec_matches_local_spec(tmp_path):
-    from megatron_p3o.checkpoint import load_model_state, save_model_state
+    from megatron_p3o.checkpoint.state import load_model_state, save_model_state
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     g = initialize(Layout())
     desc = ModelDescription(

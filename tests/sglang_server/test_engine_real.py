@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_p3o.ports import free_port
 from megatron_p3o.rollout.embedded import EmbeddedEngine
 from megatron_p3o.rollout.sglang import API_KEY_ENV, SGLangConfig, build_fleet
 from megatron_p3o.rollout.sglang.protocol import parse_generate_response
+from megatron_p3o.runtime.ports import free_port
 from megatron_p3o.types import SamplingParams
 
 from .conftest import kill_launched, log_tail

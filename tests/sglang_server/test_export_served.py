@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 import torch
 
-from megatron_p3o.ports import free_port
 from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
+from megatron_p3o.runtime.ports import free_port
 
 from .conftest import kill_launched, log_tail
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 def test_the_export_of_a_trained_checkpoint_is_served(trained_export, base, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_p3o.rollout.prompts import all_rows
+    from megatron_p3o.data.prompts import all_rows
 
     _, hf = trained_export
     served = tmp_path / "hf"

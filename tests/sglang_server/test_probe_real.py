@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from megatron_p3o.ports import free_port
+from megatron_p3o.runtime.ports import free_port
 from tests.e2e.cli import ENV, ROOT
 from tests.e2e.test_probe import check_report, probe_cmd
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.ports import free_port
+from megatron_p3o.runtime.ports import free_port
 from tests.e2e.cli import ENV, ROOT, torchrun
 from tests.e2e.test_tiny_recipe import _sets
 
@@ -145,7 +145,7 @@ def test_a_stopped_async_run_trains_on_the_batch_it_had_in_flight(base, reap):
     checkpoint's, not a new rollout's."""
     import torch
 
-    from megatron_p3o.preemption import EXIT_PREEMPTED
+    from megatron_p3o.runtime.preemption import EXIT_PREEMPTED
 
     sets = ("rollout.max_staleness=1", "data.eval_path=''")
     _train(base, reap, "inflight", *sets, "run.exit_after_minutes=0.002", steps=3,

@@ -17,10 +17,10 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from megatron_p3o.ports import free_port
 from megatron_p3o.rollout.embedded import EmbeddedEngine
 from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
 from megatron_p3o.rollout.sglang.weights import group_name
+from megatron_p3o.runtime.ports import free_port
 from megatron_p3o.types import SamplingParams
 from tests.e2e.cli import ENV, ROOT
 from tests.e2e.test_tiny_recipe import _sets

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from megatron_p3o.advantage import group_advantages
+from megatron_p3o.advantage.estimators import group_advantages
 from megatron_p3o.reward import RewardError, build_reward, score_samples
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.0, 1.0])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.config import load_config
+from megatron_p3o.config.loading import load_config
 from megatron_p3o.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,7 +15,7 @@ MOE = str(ROOT / "recipes/qwen3_30b_a3b_h100x8.yaml")
 
 
 def _cli(monkeypatch, *args) -> int:
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     monkeypatch.setattr(sys, "argv", ["megatron_p3o.train", *args])
     with pytest.raises(SystemExit) as e:
@@ -45,8 +45,8 @@ def test_a_push_that_cannot_fit_is_refused(capsys, monkeypatch):
 
 
 def _central(monkeypatch, tmp_path, sets, cuda=False):
-    from megatron_p3o.parallel import Layout, initialize
     from megatron_p3o.rollout import backend as backend_mod
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     class Launched(Exception):
         pass

@@ -2,8 +2,9 @@ import re
 
 import pytest
 
-from megatron_p3o.config import ConfigError, TrainConfig, load_config
-from megatron_p3o.errors import UserError
+from megatron_p3o.config.loading import load_config
+from megatron_p3o.config.train_config import TrainConfig
+from megatron_p3o.runtime.errors import ConfigError, UserError
 
 
 def _write(tmp_path, text):
@@ -70,7 +71,7 @@ def test_bad_recipes_one_clear_message(tmp_path, text, needle):
         (["steps=0"], 1, "steps=0 must be >= 1"),
         (["rollout.logprob_noise=-0.5"], 1, "rollout.logprob_noise=-0.5 must be >= 0"),
         (["rollout.engine_temperature=0"], 1, "rollout.engine_temperature=0.0 must be > 0"),
-        (["replay.policy=lifo"], 1, "replay.policy='lifo'; choose 'none', 'bapo' or 'fifo'"),
+        (["replay.policy=lifo"], 1, "replay.policy='lifo'; choose one of ['none', 'bapo', 'fifo']"),
         (
             ["replay.quality_min=0.9", "replay.quality_max=0.1"],
             1,
@@ -119,7 +120,8 @@ def test_nccl_weight_sync_needs_server_gpus_of_its_own(monkeypatch):
         load_config(None, base + ["rollout.sglang.gpus='3,4'"]).check_rollout_gpus(4)
     load_config(None, base + ["rollout.sglang.gpus='4,5,6,7'"]).check_rollout_gpus(4)
     load_config(None, base + ["rollout.sglang.url=http://n2:30000"]).check_rollout_gpus(4)
-    load_config(None, base[:1] + ["rollout.weight_sync=disk"]).check_rollout_gpus(4)
+    disk = ["rollout.weight_sync=disk", "rollout.weight_sync_dir=/shared"]
+    load_config(None, base[:1] + disk).check_rollout_gpus(4)
     with pytest.raises(ConfigError, match="fp8_e4m3"):
         load_config(None, base + ["rollout.sglang.kv_cache_dtype=fp8_e5m2"]).validate(1)
     colocated = base + ["rollout.weight_sync=colocated", "rollout.sglang.tp_size=2"]
@@ -178,9 +180,22 @@ _BAD = {  # a value outside each rule of config.RANGES
 
 
 def _ranges():
-    from megatron_p3o.config import RANGES
+    """Every ``(dotted key, rule)`` the components declare (each config's ``RANGES``), found by
+    walking the config tree — a component that declares a range is tested for it."""
+    import dataclasses
+    import typing
 
-    return RANGES
+    out = []
+
+    def walk(cls, prefix):
+        out.extend((f"{prefix}{k}", rule) for k, rule in getattr(cls, "RANGES", {}).items())
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+
+    walk(TrainConfig, "")
+    return out
 
 
 @pytest.mark.parametrize("path,rule", _ranges(), ids=[p for p, _ in _ranges()])
@@ -191,10 +206,23 @@ def test_every_range_is_checked_at_load_with_its_key(path, rule):
     assert msg.startswith(f"{path}=") and "must be" in msg, msg
 
 
-def test_the_defaults_are_in_range():
-    from megatron_p3o.config import check_ranges
-
-    check_ranges(TrainConfig())
+def test_the_ranges_cover_every_component():
+    """The per-component tables hold the keys the old central table held (none was dropped in
+    the move to one validation path), and the defaults satisfy them (TrainConfig() builds)."""
+    keys = {k for k, _ in _ranges()}
+    for must in (
+        "steps",
+        "optim.lr",
+        "rollout.sglang.port",
+        "r2po.head.lr",
+        "data.eval_every",
+        "batch.max_tokens_per_gpu",
+        "replay.fifo_capacity",
+        "parallel.world_size",
+    ):
+        assert must in keys, must
+    assert len(keys) >= 60
+    TrainConfig()
 
 
 @pytest.mark.parametrize(
@@ -219,7 +247,7 @@ def test_range_messages(sets, needle):
 def test_validate_checks_ranges_of_a_config_built_in_code():
     from dataclasses import replace
 
-    from megatron_p3o.optim import OptimConfig
+    from megatron_p3o.update.optim import OptimConfig
 
     with pytest.raises(ConfigError, match=r"optim.lr=-1.0 must be > 0"):
         replace(TrainConfig(), optim=OptimConfig(lr=-1.0)).validate(1)

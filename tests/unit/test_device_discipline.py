@@ -17,15 +17,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 # modules whose tensors reach the model or a collective
 DEVICE_BOUND = [
-    "megatron_p3o/policy_update.py",
-    "megatron_p3o/metrics.py",
+    "megatron_p3o/update/policy_update.py",
+    "megatron_p3o/observability/metrics.py",
     "megatron_p3o/trainer.py",
     "megatron_p3o/model/forward.py",
     "megatron_p3o/model/packed.py",
     "megatron_p3o/model/local_attention.py",
-    "megatron_p3o/balance.py",
-    "megatron_p3o/batching.py",
+    "megatron_p3o/update/balance.py",
+    "megatron_p3o/update/batching.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/loss").glob("*.py")),
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/logprob").glob("*.py")),
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "megatron_p3o/weight_sync").glob("*.py")),
 ]
 FACTORIES = {
@@ -84,7 +85,7 @@ def test_metrics_reduce_on_the_given_device(monkeypatch):
     CPU default would show up as cpu in the collective)."""
     import torch.distributed as dist
 
-    from megatron_p3o.metrics import StepMetrics
+    from megatron_p3o.observability.metrics import StepMetrics
 
     class Seen(Exception):
         pass

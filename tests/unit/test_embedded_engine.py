@@ -260,7 +260,8 @@ def test_weight_rounding_serves_the_rounded_weights_exactly(hf_model):
 def test_weight_rounding_is_refused_outside_the_embedded_engine():
     from pathlib import Path
 
-    from megatron_p3o.config import ConfigError, load_config
+    from megatron_p3o.config.loading import load_config
+    from megatron_p3o.runtime.errors import ConfigError
 
     recipes = Path(__file__).resolve().parents[2] / "recipes"
     with pytest.raises(ConfigError, match="rollout.weight_rounding_step"):

@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_p3o.batching import BatchConfig, MicroBatcher
-from megatron_p3o.config import ConfigError, load_config
-from megatron_p3o.evaluation import pass_at_k, summarize
+from megatron_p3o.config.loading import load_config
+from megatron_p3o.evaluation.heldout import pass_at_k, summarize
 from megatron_p3o.reward.overlong import OverlongConfig, dapo_overlong_reward
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.types import Sample
+from megatron_p3o.update.batching import BatchConfig, MicroBatcher
 
 
 def test_pass_at_k_by_hand():
@@ -52,11 +53,11 @@ def _s(c, finish):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_truncated_completions_leave_the_loss_normalizer(packed):
-    from megatron_p3o.policy_update import PolicyUpdate
+    from megatron_p3o.update.policy_update import PolicyUpdate
 
     samples = [_s(3, "stop"), _s(5, "length"), _s(2, "stop"), _s(5, "length")]
     adv = torch.tensor([1.0, -1.0, 0.5, 0.2])
-    from megatron_p3o.parallel import Layout
+    from megatron_p3o.runtime.parallel import Layout
 
     lay = Layout().resolve(1)
     groups = SimpleNamespace(layout=lay, dp=None, dp_rank=0, device=torch.device("cpu"))
@@ -100,8 +101,8 @@ def test_dataset_names_go_through_datasets(tmp_path, monkeypatch):
 
     import datasets
 
-    from megatron_p3o.errors import InputFileError
-    from megatron_p3o.rollout.prompts import read_dataset
+    from megatron_p3o.data.prompts import read_dataset
+    from megatron_p3o.runtime.errors import InputFileError
 
     # no hub round trips from a test machine (CI reaches package registries only)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_p3o.batching import MicroBatcher, packed_microbatch, token_multiple
-from megatron_p3o.config import ConfigError, load_config
+from megatron_p3o.config.loading import load_config
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.types import Sample
+from megatron_p3o.update.batching import MicroBatcher, packed_microbatch, token_multiple
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(

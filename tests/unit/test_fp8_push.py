@@ -264,9 +264,9 @@ def test_pushed_fp8_buckets_match_sglangs_fp8_linear(tmp_path):
 
 
 def test_fp8_serving_refuses_a_bf16_checkpoint_and_gloo(tmp_path):
-    from megatron_p3o.errors import UserError
     from megatron_p3o.rollout.sglang import SGLangConfig
     from megatron_p3o.rollout.sglang.launch import launch_command
+    from megatron_p3o.runtime.errors import UserError
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     cfg = SGLangConfig(model_path=str(tmp_path), quantization="fp8", device="cuda")

@@ -6,8 +6,8 @@ the rounding)."""
 import pytest
 import torch
 
-from megatron_p3o.loss.fused_logprob import fused_vocab_parallel_logprobs
-from megatron_p3o.loss.logprob import vocab_parallel_logprobs
+from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs
+from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
 
 B, S, D, VPAD, VOCAB = 3, 37, 24, 320, 300
 REL = 1e-6

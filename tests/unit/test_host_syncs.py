@@ -9,7 +9,7 @@ device tensors; they are reduced and read once per optimizer step, after the sch
 On the CPU every tensor is a host tensor, so the test counts those calls on *every* tensor,
 during exactly one micro-batch of a real tiny model (Megatron's ``forward_step`` +
 ``backward_step`` of the gradient pass). The host micro-batch's own tensors (built on the host
-by :mod:`megatron_p3o.batching`, e.g. packed ``cu_seqlens``) are exempt: reading them never
+by :mod:`megatron_p3o.update.batching`, e.g. packed ``cu_seqlens``) are exempt: reading them never
 waits for the device. The device copy is made a distinct tensor here (on the CPU ``.to`` would
 return the host tensor itself), so a read of the device copy is still counted.
 """
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 SYNC_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
 # Syncs in Megatron-Core's own code, outside this package's reach, counted apart (and reported):
@@ -105,11 +105,13 @@ def count_microbatch_syncs(
     """Host syncs of each micro-batch of one optimizer step's gradient pass (rank body)."""
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_p3o import policy_update
-    from megatron_p3o.batching import BatchConfig, MicroBatcher
+    from megatron_p3o.logprob.scoring import score_responses
     from megatron_p3o.loss import build_objective
+    from megatron_p3o.loss.config import LossConfig
     from megatron_p3o.model import forward
-    from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
+    from megatron_p3o.update import policy_update
+    from megatron_p3o.update.batching import BatchConfig, MicroBatcher
+    from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
     from tests.distributed.bodies import FAMILIES, _build
 
     vocab = FAMILIES[FAMILY]["vocab_size"]
@@ -123,13 +125,13 @@ def count_microbatch_syncs(
         build_objective(objective),
         groups,
         vocab,
-        policy_update.LossConfig(ess_scope=scope, nonfinite=nonfinite),
+        LossConfig(ess_scope=scope, nonfinite=nonfinite),
     )
     if update.objective.recomputes_old(update.cfg.old_logprobs):
         update.recompute_old_logprobs(ddp, mbs)
     if update.objective.needs_ref_logprobs:  # the policy's own weights stand in for πref
         value = "ref_values" if update.objective.needs_value else None
-        policy_update.score_responses(ddp, groups, mbs, "ref_logprobs", 1.0, vocab, value_key=value)
+        score_responses(ddp, groups, mbs, "ref_logprobs", 1.0, vocab, value_key=value)
 
     counter = SyncCounter()
     per_mb: list = []
@@ -247,10 +249,11 @@ def test_at_most_one_host_sync_per_microbatch(pools, objective, kw):
 def nonfinite_error(groups, objective: str):
     """The message of the error a NaN ℓθ raises (rank body): NaN in one output-layer row makes
     every log-prob NaN."""
-    from megatron_p3o import policy_update
-    from megatron_p3o.batching import BatchConfig, MicroBatcher
     from megatron_p3o.loss import NonFiniteLogprobError, build_objective
-    from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
+    from megatron_p3o.loss.config import LossConfig
+    from megatron_p3o.update import policy_update
+    from megatron_p3o.update.batching import BatchConfig, MicroBatcher
+    from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
     from tests.distributed.bodies import FAMILIES, _build
 
     vocab = FAMILIES[FAMILY]["vocab_size"]
@@ -265,7 +268,7 @@ def nonfinite_error(groups, objective: str):
         build_objective(objective),
         groups,
         vocab,
-        policy_update.LossConfig(old_logprobs="behaviour"),
+        LossConfig(old_logprobs="behaviour"),
     )
     try:
         update.run(ddp, mbs)

@@ -2,7 +2,7 @@ import pytest
 
 from megatron_p3o.model.builder import padded_vocab_size
 from megatron_p3o.model.description import ModelDescription, UnsupportedModelError
-from megatron_p3o.parallel import Layout, LayoutError
+from megatron_p3o.runtime.parallel import Layout, LayoutError
 
 
 def test_layout_resolves_dp():

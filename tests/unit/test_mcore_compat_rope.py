@@ -6,7 +6,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
-from megatron_p3o import mcore_compat
+from megatron_p3o.runtime import mcore_compat
 
 
 class _Group:  # what the function reads of a CP group of one

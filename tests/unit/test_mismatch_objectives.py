@@ -326,10 +326,11 @@ def m2po_microbatch_trainer_step(groups, tau: float):
     """One optimizer step of M2PO ``scope: microbatch`` through PolicyUpdate.run (Megatron's
     schedule, a tiny model, several micro-batches), with each micro-batch's loss inputs and the
     gradient reaching its ℓθ captured (rank body)."""
-    from megatron_p3o import policy_update
-    from megatron_p3o.batching import BatchConfig, MicroBatcher
     from megatron_p3o.loss import build_objective
-    from megatron_p3o.optim import OptimConfig, wrap_ddp, zero_grads
+    from megatron_p3o.loss.config import LossConfig
+    from megatron_p3o.update import policy_update
+    from megatron_p3o.update.batching import BatchConfig, MicroBatcher
+    from megatron_p3o.update.optim import OptimConfig, wrap_ddp, zero_grads
     from tests.distributed.bodies import FAMILIES, _build
     from tests.unit.test_host_syncs import FAMILY, SEQ, _samples
 
@@ -339,7 +340,7 @@ def m2po_microbatch_trainer_step(groups, tau: float):
     samples, adv = _samples(6, vocab)
     (mbs,), _ = MicroBatcher(BatchConfig(micro_batch_size=2), groups, SEQ, 0).build(samples, adv)
     obj = build_objective("m2po", scope="microbatch", tau=tau, rejection_sampling=None)
-    update = policy_update.PolicyUpdate(obj, groups, vocab, policy_update.LossConfig())
+    update = policy_update.PolicyUpdate(obj, groups, vocab, LossConfig())
     update.recompute_old_logprobs(ddp, mbs)
     seen = []
     terms = obj.terms
@@ -390,7 +391,7 @@ def _areal_microbatch_reference(micro, tau, eps=0.2):
 
 
 def test_m2po_microbatch_scope_in_the_trainer_loop(pools):
-    from megatron_p3o.parallel import Layout
+    from megatron_p3o.runtime.parallel import Layout
 
     tau = 0.3
     res = pools(1).run(m2po_microbatch_trainer_step, Layout(), tau=tau)[0]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.errors import UserError
 from megatron_p3o.rollout.sglang.weights import check_nccl_versions, server_nccl_version
+from megatron_p3o.runtime.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,10 +48,10 @@ def test_mismatched_nccl_is_refused_with_both_versions_and_remedies():
 
 
 def test_launch_refuses_before_any_server_starts(monkeypatch, tmp_path):
-    from megatron_p3o.config import load_config
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.rollout import backend as backend_mod
     from megatron_p3o.rollout.sglang import weights
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     started = []
     monkeypatch.setattr(
@@ -71,11 +71,11 @@ def test_the_probe_runs_in_the_servers_environment(monkeypatch, tmp_path):
     """Issue 42: an LD_PRELOAD set for the servers only (``rollout.sglang.ld_preload``) must be
     in the probe's environment, as it is in the launched servers'; the probe used to inherit the
     trainer's environment instead."""
-    from megatron_p3o.config import load_config
-    from megatron_p3o.parallel import Layout, initialize
+    from megatron_p3o.config.loading import load_config
     from megatron_p3o.rollout import backend as backend_mod
     from megatron_p3o.rollout.sglang import weights
     from megatron_p3o.rollout.sglang.launch import server_env
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     seen = []
     monkeypatch.setattr(

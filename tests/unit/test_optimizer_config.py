@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from megatron_p3o import mcore_compat
-from megatron_p3o.optim import OptimConfig, optimizer_config
+from megatron_p3o.runtime import mcore_compat
+from megatron_p3o.update.optim import OptimConfig, optimizer_config
 
 
 @pytest.fixture

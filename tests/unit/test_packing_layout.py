@@ -6,10 +6,11 @@ import random
 import pytest
 import torch
 
-from megatron_p3o.balance import imbalance, karmarkar_karp, pack_by_budget
-from megatron_p3o.batching import nest_response, packed_microbatch, padded_microbatches
+from megatron_p3o.model.forward import nest_response
 from megatron_p3o.model.packed import token_index
 from megatron_p3o.types import Sample
+from megatron_p3o.update.balance import imbalance, karmarkar_karp, pack_by_budget
+from megatron_p3o.update.batching import packed_microbatch, padded_microbatches
 
 
 def _lognormal(n, seed, median=300, cap=2048):

@@ -4,7 +4,7 @@ use`` on a port chosen by ``bind(('', 0))`` half a minute before the server boun
 
 import socket
 
-from megatron_p3o.ports import ephemeral_range, free_port
+from megatron_p3o.runtime.ports import ephemeral_range, free_port
 
 
 def test_free_ports_are_bindable_and_never_ephemeral():

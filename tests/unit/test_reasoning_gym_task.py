@@ -12,11 +12,11 @@ import pytest
 
 rg = pytest.importorskip("reasoning_gym")
 
-from megatron_p3o.config import ConfigError, load_config  # noqa: E402
-from megatron_p3o.errors import DataError  # noqa: E402
+from megatron_p3o.config.loading import load_config  # noqa: E402
+from megatron_p3o.data.tasks import chain_sum  # noqa: E402
+from megatron_p3o.data.tasks import reasoning_gym as task  # noqa: E402
 from megatron_p3o.reward import build_reward  # noqa: E402
-from megatron_p3o.tasks import chain_sum  # noqa: E402
-from megatron_p3o.tasks import reasoning_gym as task  # noqa: E402
+from megatron_p3o.runtime.errors import ConfigError, DataError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = {"min_terms": 4, "max_terms": 6, "min_digits": 2, "max_digits": 3}
@@ -35,7 +35,7 @@ def _cfg(tmp_path, *extra):
             f"run.dir={tmp_path}",
             *extra,
         ],
-    )
+    ).with_task_files()
 
 
 def _rows(path):
@@ -129,3 +129,25 @@ def test_the_lock_pins_reasoning_gym_and_its_requirements():
         if "extra ==" not in req:
             name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-")
             assert name in pins, name
+
+
+def test_loading_reads_only_and_the_task_files_come_from_with_task_files(tmp_path):
+    """Issue 44: loading a recipe writes nothing; ``with_task_files`` writes the splits once and is
+    idempotent; a task beside a data file the user set is one error naming both keys."""
+    sets = [
+        "data.task=reasoning_gym:chain_sum",
+        f"data.task_args={json.dumps(ARGS)}",
+        "data.task_train_size=30",
+        "data.task_heldout_size=5",
+        "reward.kind=reasoning_gym",
+        f"run.dir={tmp_path}",
+    ]
+    cfg = load_config(None, sets)
+    assert cfg.data.path == "" and not (tmp_path / "tasks").exists()
+    done = cfg.with_task_files()
+    assert Path(done.data.path).is_file() and Path(done.data.eval_path).is_file()
+    assert done.with_task_files() is done  # already written: the same config
+    with pytest.raises(ConfigError, match=r"data.task='reasoning_gym:chain_sum' and data.path="):
+        load_config(None, sets + ["data.path=mine.jsonl"]).with_task_files()
+    with pytest.raises(ConfigError, match=r"data.task=.* set reward.kind: reasoning_gym"):
+        load_config(None, sets + ["reward.kind=exact_match"])

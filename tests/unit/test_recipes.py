@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
-from megatron_p3o.config import ConfigError, load_config
+from megatron_p3o.config.loading import load_config
+from megatron_p3o.config.plan import expert_params, layer_params, make_plan
 from megatron_p3o.model.description import ModelDescription
-from megatron_p3o.plan import expert_params, layer_params, make_plan
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ def test_dry_run(recipe, capsys, monkeypatch):
 
 def _cli(monkeypatch, *args) -> int:
     """The train CLI as a user runs it (user errors: one line on stderr, exit status 2)."""
-    from megatron_p3o.errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     monkeypatch.setattr(sys, "argv", ["megatron_p3o.train", *args])
     with pytest.raises(SystemExit) as e:
@@ -91,10 +92,10 @@ def test_colocated_server_memory_is_counted(capsys, monkeypatch):
 def test_colocated_launch_enables_the_memory_saver(monkeypatch, tmp_path):
     """weight_sync=colocated launches SGLang with --enable-memory-saver (without it SGLang's
     no-op adapter makes /release_memory_occupation free nothing); other modes do not."""
-    from megatron_p3o.parallel import Layout, initialize
     from megatron_p3o.rollout import backend as backend_mod
     from megatron_p3o.rollout.sglang import fleet
     from megatron_p3o.rollout.sglang.launch import server_args
+    from megatron_p3o.runtime.parallel import Layout, initialize
 
     seen = []
 

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from megatron_p3o.advantage import rarity_advantages
+from megatron_p3o.advantage.estimators import rarity_advantages
 from megatron_p3o.loss import policy_loss, vocab_parallel_logprobs
-from megatron_p3o.r2po import R2POConfig
-from megatron_p3o.replay import ReplayConfig, TrajectoryFIFO
+from megatron_p3o.rollout.replay import ReplayConfig, TrajectoryFIFO
 from megatron_p3o.types import Sample
+from megatron_p3o.update.r2po import R2POConfig
 
 B, T = 5, 6
 
@@ -144,7 +144,7 @@ def test_fifo_evicts_oldest_draws_uniformly_and_roundtrips():
     assert len({s.weight_version for s in s1}) == 4  # without replacement
     assert all(abs(a - 0.1 * s.weight_version) < 1e-12 for s, a in zip(s1, a1))
     again = TrajectoryFIFO(fifo.cfg, seed=3, dp_rank=0)
-    again.load_state(fifo.state())
+    again.load_state_dict(fifo.state_dict())
     s2, _ = again.draw(4, step=5)
     assert [s.weight_version for s in s1] == [s.weight_version for s in s2]  # resumable draws
     counts = [0] * 8

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from megatron_p3o.replay import ReplayBuffer, ReplayConfig
+from megatron_p3o.data.prompts import PromptData, remap_states
 from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
 from megatron_p3o.rollout.engine import RolloutEngine
-from megatron_p3o.rollout.prompts import PromptData, remap_states
+from megatron_p3o.rollout.replay import ReplayBuffer, ReplayConfig
 from megatron_p3o.rollout.scheduler import (
     LoadWeights,
     NoWeights,
@@ -164,7 +164,7 @@ def test_dynamic_sampling_refills_all_equal_groups(tmp_path):
     assert res.stats["dynamic_refilled"] == len(res.dropped) > 0
     assert {g.answer for g in res.dropped} <= {"zero", "one"}
     # the cursor moved past every prompt drawn: initial 5 + one per refill
-    assert data.state()["pos"] == 5 + len(res.dropped)
+    assert data.state_dict()["pos"] == 5 + len(res.dropped)
 
 
 def test_dynamic_sampling_gives_up_after_max_rounds(tmp_path):
@@ -184,7 +184,7 @@ def test_scheduler_state_carries_batches_made_with_older_weights(tmp_path):
     sched, eng, _ = make(tmp_path, K=1)
     sched.next()
     sched.publish(Publication(0, 1, LoadWeights(W), [(7, [7], "mixed")]))
-    st = json.loads(json.dumps(sched.state()))
+    st = json.loads(json.dumps(sched.state_dict()))
     b1 = sched.next()
     sched.publish(Publication(1, 2, LoadWeights(W)))
     b2 = sched.next()
@@ -193,7 +193,7 @@ def test_scheduler_state_carries_batches_made_with_older_weights(tmp_path):
     assert [b["index"] for b in st["carried"]] == [1]
     assert b2.groups[0].index == 7 and b2.groups[0].source == "reeval"
     data = PromptData(str(data_file(tmp_path)), Tok(), seed=3)
-    data.load_state(st["data"])
+    data.load_state_dict(st["data"])
     eng2 = RecordingEngine()
     again = RolloutScheduler(
         eng2, data, score, sched.cfg, sched.shard, 1, LoadWeights(W), st["pending"],
@@ -225,14 +225,14 @@ def test_lagged_sync_state_keeps_the_older_weights(tmp_path):
         v = j + 1
         w = LoadWeights(w2 if v == 2 else W) if v % 2 == 0 else NoWeights()
         sched.publish(Publication(j, v, w, [(7, [7], "mixed")] if j == 2 else []))
-    ws, st = sched.weights_state(), sched.state()
+    ws, st = sched.weights_state(), sched.state_dict()
     assert ws["version"] == 2 and all(torch.equal(ws["tensors"][n], t) for n, t in w2)
     b3 = sched.next()
     sched.publish(Publication(3, 4, LoadWeights(W)))
     assert sched.weights_state() is None
     sched.stop()
     data = PromptData(str(data_file(tmp_path)), Tok(), seed=3)
-    data.load_state(st["data"])
+    data.load_state_dict(st["data"])
     eng2 = RecordingEngine()
     again = RolloutScheduler(
         eng2, data, score, sched.cfg, sched.shard, 3, LoadWeights(list(ws["tensors"].items())),
@@ -276,7 +276,7 @@ def test_bapo_state_round_trip():
     buf = ReplayBuffer(ReplayConfig(policy="bapo"))
     buf.compose([_group(1, [0, 1]), _group(2, [0, 0])], version=0)
     again = ReplayBuffer(ReplayConfig(policy="bapo"))
-    again.load_state(json.loads(json.dumps(buf.state())))
+    again.load_state_dict(json.loads(json.dumps(buf.state_dict())))
     out_a, _ = buf.compose([_group(3, [1, 1])], version=1)
     out_b, _ = again.compose([_group(3, [1, 1])], version=1)
     assert [(g.index, g.uses, g.rewards) for g in out_a] == [
@@ -306,11 +306,11 @@ def test_prompt_shards_are_disjoint_and_cover_an_epoch(tmp_path):
     xb = [it.index for it in b.next_local(3)]
     assert not set(xa) & set(xb)
     # a different DP size restarts at the earliest position: nothing unseen is skipped
-    new = remap_states([a.state(), b.state()], 3)
+    new = remap_states([a.state_dict(), b.state_dict()], 3)
     fresh = [PromptData(f, Tok(), seed=1, dp_rank=r, dp_size=3) for r in range(3)]
     for d, st in zip(fresh, new):
-        d.load_state(st)
+        d.load_state_dict(st)
     after = {it.index for d in fresh for it in d.next_local(8)}
     assert set(range(30)) - set(xa) - set(xb) <= after
     with pytest.raises(ValueError, match="dp=2"):
-        fresh[0].load_state(a.state())
+        fresh[0].load_state_dict(a.state_dict())

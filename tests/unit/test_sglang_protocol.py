@@ -185,8 +185,13 @@ def servers():
 def _engine(srv, **kw):
     eng = SGLangEngine(SGLangConfig(url=srv.url, startup_timeout_s=10, max_retries=0, **kw))
     eng._group = "p3o_weight_sync"  # joined ...
-    eng.solo()._group = (_NoGroup(), "p3o_weight_sync", "gloo")  # ... and broadcasts go nowhere
     return eng
+
+
+def _solo(eng):
+    fleet = SGLangFleet.solo(eng)
+    fleet._group = (_NoGroup(), "p3o_weight_sync", "gloo")  # ... and broadcasts go nowhere
+    return fleet
 
 
 class _NoGroup:
@@ -220,7 +225,7 @@ def test_pushes_are_bracketed_per_worker(servers):
 def test_the_stand_in_refuses_a_push_outside_a_session(servers):
     srv = servers()
     with pytest.raises(EngineResponseError, match="outside a weight-update session"):
-        _engine(srv).solo()._broadcast_bucket(BUCKET, 1, last=True)
+        _solo(_engine(srv))._broadcast_bucket(BUCKET, 1, last=True)
 
 
 def test_samples_never_carry_a_version_the_server_does_not_hold(servers):
@@ -228,7 +233,7 @@ def test_samples_never_carry_a_version_the_server_does_not_hold(servers):
     eng = _engine(srv)
     with pytest.raises(EngineResponseError, match="weight_version 'default'"):
         eng.generate([[1]], 1, SamplingParams(max_new_tokens=2))  # nothing pushed yet
-    eng.update_weights([BUCKET], version=3)
+    _solo(eng).update_weights([BUCKET], version=3)
     assert {s.weight_version for s in eng.generate([[1]], 2, SamplingParams())} == {3}
     srv.restart()  # the server died mid-run and came back with the base weights
     with pytest.raises(EngineResponseError, match="weight_version 'default'"):
@@ -290,7 +295,7 @@ def test_weight_sync_group_forms_with_sglangs_own_code():
     a different PrefixStore wrapping hangs the rendezvous until the timeout."""
     import multiprocessing as mp
 
-    from megatron_p3o.ports import free_port
+    from megatron_p3o.runtime.ports import free_port
 
     _wheel()
     port = free_port()
@@ -351,7 +356,7 @@ def test_a_restart_mid_rollout_never_mislabels_samples():
     srv = SGLangStandIn(generate)
     try:
         eng = _engine(srv)
-        eng.update_weights([BUCKET], version=2)
+        _solo(eng).update_weights([BUCKET], version=2)
         with pytest.raises(EngineResponseError, match="weight_version 'default'"):
             eng.generate([[1]] * 8, 1, SamplingParams(max_new_tokens=2))
     finally:

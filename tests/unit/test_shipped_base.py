@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from shipped_base import BASES, verify  # noqa: E402
 
-from megatron_p3o.errors import InputFileError  # noqa: E402
+from megatron_p3o.runtime.errors import InputFileError  # noqa: E402
 
 
 def test_every_shipped_file_matches_its_sum():
@@ -61,7 +61,7 @@ def test_the_tiny_base_loads_in_transformers_as_the_recipe_model():
     assert c.vocab_size == len(tok) and not c.tie_word_embeddings
     from make_tiny_base import greedy_accuracy
 
-    from megatron_p3o.tasks.arithmetic import splits
+    from megatron_p3o.data.tasks.arithmetic import splits
 
     _, held = splits(seed=0)
     acc = greedy_accuracy(model, tok, held)  # the 500 held-out prompts base.json was measured on

@@ -1,7 +1,7 @@
 """One converted checkpoint fits both layer specs, dense and MoE (issue 24, item 5).
 
 The converter (``checkpoints_convert.hf_to_megatron``) writes one dist-checkpoint key per
-canonical name of :func:`megatron_p3o.hf.mapping.tensor_maps` (``split_layer``: the layer, and
+canonical name of :func:`megatron_p3o.model.hf.mapping.tensor_maps` (``split_layer``: the layer, and
 for a routed expert the expert, become axes). For each spec (Transformer Engine's and the local
 one) and each model kind (dense, MoE) the GPT model the project builds must ask for exactly
 those keys with the same global shapes, its live parameter names must canonicalise onto
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_p3o.parallel import Layout
+from megatron_p3o.runtime.parallel import Layout
 
 DENSE = dict(
     architecture="Qwen3ForCausalLM",
@@ -176,8 +176,8 @@ def te_spec_without_te():
     from megatron.core.extensions import transformer_engine_spec_provider as provider
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    from megatron_p3o import mcore_compat
     from megatron_p3o.model import builder
+    from megatron_p3o.runtime import mcore_compat
 
     stubs = {
         id(te.TELayerNormColumnParallelLinear): _TELayerNormColumnStub,
@@ -213,7 +213,7 @@ def te_spec_without_te():
 
 def _converter_keys(desc, padded: int) -> dict:
     """Dist-checkpoint key → global shape of every tensor the converter writes / reads."""
-    from megatron_p3o.hf.mapping import mcore_shape, split_layer, tensor_maps
+    from megatron_p3o.model.hf.mapping import mcore_shape, split_layer, tensor_maps
 
     out = {}
     for tm in tensor_maps(desc):
@@ -244,11 +244,11 @@ def _model_keys(model) -> dict:
 
 
 def spec_checkpoint_keys(groups, kind: str, use_te: bool, ckpt: str) -> dict:
-    from megatron_p3o.checkpoint import load_model_state
-    from megatron_p3o.hf.dist_stream import build_meta_model, write_checkpoint
-    from megatron_p3o.hf.mapping import canonical_name, tensor_maps
+    from megatron_p3o.checkpoint.state import load_model_state
     from megatron_p3o.model.builder import BuildOptions, build_model
     from megatron_p3o.model.description import ModelDescription
+    from megatron_p3o.model.hf.dist_stream import build_meta_model, write_checkpoint
+    from megatron_p3o.model.hf.mapping import canonical_name, tensor_maps
 
     desc = ModelDescription(**DESCS[kind])
     maps = tensor_maps(desc)
@@ -262,7 +262,7 @@ def spec_checkpoint_keys(groups, kind: str, use_te: bool, ckpt: str) -> dict:
     padded = meta.padded_vocab_size
 
     def source(tm):  # a distinct, reproducible full TP=1 tensor per canonical name
-        from megatron_p3o.hf.mapping import mcore_shape
+        from megatron_p3o.model.hf.mapping import mcore_shape
 
         g = torch.Generator().manual_seed(index[tm.mcore])
         return torch.randn(mcore_shape(tm, desc, padded), generator=g)

@@ -94,3 +94,34 @@ def test_mean_pass1_is_shown_once_when_pass1_is_a_k():
     assert _curve_keys([{"eval_curve": [point]}]) == ["eval/h/pass@1", "eval/h/pass@4"]
     del point["eval/h/pass@1"]  # k without 1: the mean pass@1 is the only pass@1 there is
     assert _curve_keys([{"eval_curve": [point]}]) == ["eval/h/pass@1_mean", "eval/h/pass@4"]
+
+
+def test_cell_epochs_averages_each_epoch_over_rollout_batches(tmp_path):
+    """Issue 43, item 3: the per-epoch mechanism table reads each optimizer step's record and
+    averages per epoch over the run's rollout batches (2 batches x 2 epochs x 2 mini-batches)."""
+    import json
+
+    import pytest
+
+    from megatron_p3o.stress.mechanisms import cell_epochs
+
+    lines = []
+    for batch in range(2):
+        steps = [
+            {
+                "epoch": e,
+                "minibatch": mb,
+                "ess": 1.0 - 0.1 * e - 0.01 * batch,
+                "update_rel": 1e-3,
+                "kl_behavior_theta": 0.01 * (e + 1) + mb * 0.002,
+            }  # fmt: skip
+            for e in range(2)
+            for mb in range(2)
+        ]
+        lines.append(json.dumps({"step": batch + 1, "per_step": steps}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    got = cell_epochs(tmp_path / "metrics.jsonl")
+    assert sorted(got) == [0, 1]
+    assert got[0]["ess"] == pytest.approx(1.0 - 0.005) and got[1]["ess"] == pytest.approx(0.895)
+    assert got[1]["kl_behavior_theta"] == pytest.approx(0.021)
+    assert "grad_norm" not in got[0]  # not recorded: not invented

@@ -229,3 +229,24 @@ def test_a_regenerated_report_does_not_make_the_code_dirty(tmp_path):
     assert code_commit(tmp_path) == clean
     (tmp_path / "loss.py").write_text("b")  # the code changed
     assert code_commit(tmp_path) == clean + "+dirty"
+
+
+def test_tost_power_matches_the_large_sample_normal_formula_and_sizes_the_seeds():
+    """Issue 43 (the plan's promised seeds-for-equivalence line): at many seeds the TOST's power
+    for a true difference 0 tends to 2·Φ(margin·√n/sd − z_{1−α}) − 1 (the normal limit, an
+    independent closed form); the seeds it returns are the first count reaching 80%."""
+    import math
+
+    from megatron_p3o.stress.stats import power_tost, seeds_for_equivalence
+
+    def phi(x):
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+    z = 1.6448536269514722  # Φ⁻¹(0.95)
+    for sd, n in ((0.05, 80), (0.03, 40)):
+        ref = 2 * phi(0.02 * math.sqrt(n) / sd - z) - 1
+        assert power_tost(sd, n, 0.02) == pytest.approx(ref, abs=0.03)
+    n = seeds_for_equivalence(0.03, 0.02)
+    assert power_tost(0.03, n, 0.02) >= 0.8 > power_tost(0.03, n - 1, 0.02)
+    assert seeds_for_equivalence(0.005, 0.02) <= 4  # a tight difference: the 4 seeds suffice
+    assert seeds_for_equivalence(0.03, 0.02, alpha=0.05 / 66) > n  # Holm's step costs seeds

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_p3o.config import ConfigError
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.stress import runner
 from megatron_p3o.stress.grid import cells as grid_cells
 from megatron_p3o.stress.grid import load_grid, lr_tag

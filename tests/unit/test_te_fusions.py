@@ -8,7 +8,7 @@ import pytest
 from megatron_p3o.model import builder
 from megatron_p3o.model.builder import BuildOptions, transformer_config
 from megatron_p3o.model.description import ModelDescription
-from megatron_p3o.parallel import Layout, initialize
+from megatron_p3o.runtime.parallel import Layout, initialize
 
 
 @pytest.mark.parametrize("use_te", [True, False])
@@ -40,7 +40,7 @@ def test_fusions_follow_the_layer_spec(use_te, monkeypatch):
     kernels they need exist); the local (CPU) spec keeps every one off, as before."""
     import megatron.core.transformer.transformer_config as tc
 
-    from megatron_p3o import mcore_compat
+    from megatron_p3o.runtime import mcore_compat
 
     seen = {}
     monkeypatch.setattr(tc, "TransformerConfig", lambda **kw: seen.update(kw))
@@ -57,7 +57,7 @@ def test_fusions_follow_the_layer_spec(use_te, monkeypatch):
 def test_fusions_whose_kernels_are_missing_stay_off(monkeypatch):
     import megatron.core.transformer.transformer_config as tc
 
-    from megatron_p3o import mcore_compat
+    from megatron_p3o.runtime import mcore_compat
 
     seen = {}
     monkeypatch.setattr(tc, "TransformerConfig", lambda **kw: seen.update(kw))
@@ -75,7 +75,7 @@ def test_fusions_whose_kernels_are_missing_stay_off(monkeypatch):
 
 
 def test_this_machine_has_neither_kernel():
-    from megatron_p3o import mcore_compat
+    from megatron_p3o.runtime import mcore_compat
 
     assert not mcore_compat.have_moe_permute_fusion()  # no TE here
     assert not mcore_compat.have_grad_accum_fusion()  # no apex here
@@ -87,7 +87,7 @@ def test_grouped_gemm_follows_the_layer_spec(use_te, monkeypatch):
     config and spec alike; the local spec keeps the sequential expert loop."""
     import megatron.core.transformer.transformer_config as tc
 
-    from megatron_p3o import mcore_compat
+    from megatron_p3o.runtime import mcore_compat
 
     seen, spec_args = {}, {}
     monkeypatch.setattr(tc, "TransformerConfig", lambda **kw: seen.update(kw))
@@ -117,7 +117,7 @@ def test_grouped_expert_names_map_like_sequential_ones():
     import megatron.core.extensions.transformer_engine as te_ext
     from megatron.core.transformer.moe import experts
 
-    from megatron_p3o.hf.mapping import canonical_name, split_layer, tensor_maps
+    from megatron_p3o.model.hf.mapping import canonical_name, split_layer, tensor_maps
 
     src = inspect.getsource(experts.TEGroupedMLP)
     assert "self.linear_fc1 = build_module" in src and "self.linear_fc2 = build_module" in src
@@ -140,6 +140,6 @@ def test_grouped_expert_names_map_like_sequential_ones():
 
 
 def test_no_grouped_gemm_without_te():
-    from megatron_p3o import mcore_compat
+    from megatron_p3o.runtime import mcore_compat
 
     assert not mcore_compat.have_te_grouped_gemm()  # no TE here: the sequential loop

@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
-from megatron_p3o.config import ConfigError, load_config
+from megatron_p3o.config.loading import load_config
 from megatron_p3o.loss import build_objective
-from megatron_p3o.metrics import PhaseTimer, combine_optimizer_steps
+from megatron_p3o.observability.metrics import PhaseTimer, combine_optimizer_steps
+from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.types import Group, Sample, TrainBatch
 
 
@@ -93,7 +94,7 @@ def test_objectives_declare_what_they_need():
 
 
 def test_tiny_task_reward_ignores_the_character_tokenizer_spaces():
-    from megatron_p3o.tasks.arithmetic import reward
+    from megatron_p3o.data.tasks.arithmetic import reward
 
     assert reward("2 8", "28") == 1.0 and reward("28", "28") == 1.0 and reward("2 9", "28") == 0.0
 
@@ -102,8 +103,8 @@ def test_a_sample_spanning_two_versions_is_counted_and_trained_per_token():
     """SGLang retracted a request at a push and resumed it under new weights: 3 tokens of
     version 4, 2 of version 5. Staleness per sequence counts its oldest token, per token each
     one; the loss side gets each token's own ℓb; a checkpoint keeps the versions."""
-    from megatron_p3o.batching import packed_microbatch
-    from megatron_p3o.metrics import staleness
+    from megatron_p3o.observability.metrics import staleness
+    from megatron_p3o.update.batching import packed_microbatch
 
     lb = [-0.1, -0.2, -0.3, -1.4, -1.5]
     span = Sample([1, 2], [7, 8, 9, 10, 11], lb, "length", 4, token_versions=[4, 4, 4, 5, 5])

@@ -10,12 +10,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_p3o.errors import DataError, InputFileError, UserError, count_arg, read_user_text
-from megatron_p3o.ports import free_port
-from megatron_p3o.rollout.prompts import check_json_rows
+from megatron_p3o.data.prompts import check_json_rows
 from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine
 from megatron_p3o.rollout.sglang import client as sglang_client
 from megatron_p3o.rollout.sglang.protocol import EngineUnavailableError
+from megatron_p3o.runtime.errors import (
+    DataError,
+    InputFileError,
+    UserError,
+    count_arg,
+    read_user_text,
+)
+from megatron_p3o.runtime.ports import free_port
 
 
 def test_read_user_text(tmp_path):
@@ -67,7 +73,7 @@ def test_json_documents_and_blank_lines_pass(tmp_path):
 
 
 def test_read_dataset_names_a_directory_and_a_corrupt_parquet(tmp_path):
-    from megatron_p3o.rollout.prompts import read_dataset
+    from megatron_p3o.data.prompts import read_dataset
 
     (tmp_path / "d.jsonl").mkdir()
     with pytest.raises(InputFileError, match="is a directory"):
@@ -78,8 +84,8 @@ def test_read_dataset_names_a_directory_and_a_corrupt_parquet(tmp_path):
 
 
 def test_read_meta_says_a_missing_directory_does_not_exist(tmp_path):
-    from megatron_p3o.errors import CheckpointError
-    from megatron_p3o.hf.dist_stream import P3O_META_FILE, read_meta
+    from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, read_meta
+    from megatron_p3o.runtime.errors import CheckpointError
 
     with pytest.raises(InputFileError, match=r"checkpoint directory .*nope does not exist"):
         read_meta(tmp_path / "nope")
@@ -102,7 +108,7 @@ def _tiny_hf_dir(path):
 
 
 def test_truncated_safetensors_names_the_file(tmp_path):
-    from megatron_p3o.hf.safetensors_io import HFCheckpointReader
+    from megatron_p3o.model.hf.safetensors_io import HFCheckpointReader
 
     hf = _tiny_hf_dir(tmp_path / "hf")
     (hf / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
@@ -118,7 +124,7 @@ def test_truncated_safetensors_names_the_file(tmp_path):
 
 
 def test_load_tokenizer_names_the_directory(tmp_path):
-    from megatron_p3o.hf.safetensors_io import load_tokenizer
+    from megatron_p3o.model.hf.safetensors_io import load_tokenizer
 
     with pytest.raises(InputFileError, match="tokenizer directory .*none does not exist"):
         load_tokenizer(tmp_path / "none")
@@ -139,7 +145,7 @@ def _wandb_env(monkeypatch, tmp_path):
 
 def test_wandb_online_without_any_login_is_refused_at_config_time(monkeypatch, tmp_path):
     pytest.importorskip("wandb")
-    from megatron_p3o.run_log import WandbConfig, check_wandb
+    from megatron_p3o.observability.run_log import WandbConfig, check_wandb
 
     _wandb_env(monkeypatch, tmp_path)
     with pytest.raises(UserError, match="set WANDB_API_KEY .* WANDB_MODE=offline"):

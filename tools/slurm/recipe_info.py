@@ -11,9 +11,9 @@ import argparse
 import shlex
 from pathlib import Path
 
-from megatron_p3o.config import ConfigError, load_config
-from megatron_p3o.errors import UserError, run_cli
+from megatron_p3o.config.loading import load_config
 from megatron_p3o.rollout.sglang.launch import resolve_python
+from megatron_p3o.runtime.errors import ConfigError, UserError, run_cli
 
 PROG = "recipe_info.py"
 

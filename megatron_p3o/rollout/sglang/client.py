@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ...types import Sample, SamplingParams
-from ..engine import RolloutEngine
-from .launch import (
+from megatron_p3o.rollout.engine import RolloutEngine
+from megatron_p3o.rollout.sglang.launch import (
     API_KEY_ENV,
     ServerProcess,
     cpu_stub_dir,
@@ -39,7 +38,7 @@ from .launch import (
     resolve_python,
     server_env,
 )
-from .protocol import (
+from megatron_p3o.rollout.sglang.protocol import (
     EngineResponseError,
     EngineUnavailableError,
     batch_payload,
@@ -51,7 +50,8 @@ from .protocol import (
     resume_payload,
     tensor_payload,
 )
-from .weights import resolve_backend
+from megatron_p3o.rollout.sglang.weights import resolve_backend
+from megatron_p3o.types import Sample, SamplingParams
 
 _NET_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 REFUSED_GRACE_S = 5.0  # an attached URL refusing connections this long: nothing listens there
@@ -116,7 +116,6 @@ class SGLangEngine(RolloutEngine):
         self.restarts = 0
         self.weight_version = 0
         self._group = None  # the weight-update group this server joined (its name)
-        self._solo = None  # this server as a fleet of one (see solo)
         self._last_disk: Optional[Tuple[str, int]] = None  # (path, version) of the last disk push
         self._lock = threading.Lock()  # one recovery at a time
         self._epoch = 0  # bumped by each recovery: requests that failed before it just retry
@@ -424,20 +423,14 @@ class SGLangEngine(RolloutEngine):
             )
         return ok or "does not exist" in str(msg)
 
-    def solo(self):
-        """This server as a fleet of one (its weight group lives there)."""
-        if self._solo is None:
-            from .fleet import SGLangFleet
-
-            self._solo = SGLangFleet(self, [self])
-        return self._solo
-
-    def init_weight_update_group(self, master_address: str, master_port: int) -> None:
-        self.solo().init_weight_update_groups(master_address, master_port)
-
     def update_weights(self, buckets, version: int) -> None:
-        """One weight-update session over the process group (a fleet of one server)."""
-        self.solo().update_weights(buckets, version)
+        """A server's client holds no weight-update group: pushes go through
+        :class:`~megatron_p3o.rollout.sglang.fleet.SGLangFleet` (``SGLangFleet.solo(engine)``
+        for one server), which owns the group spanning its servers."""
+        raise TypeError(
+            f"{self.label}: SGLangEngine is one server's HTTP client; push weights through "
+            "SGLangFleet (SGLangFleet.solo(engine) for a single server)"
+        )
 
     def push_tensors(self, payloads: Sequence[str], version: int, last: bool) -> None:
         """One bucket as serialized tensors inside a session: payload r for server TP rank r."""

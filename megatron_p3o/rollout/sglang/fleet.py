@@ -20,15 +20,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
-from ...ports import free_port
-from ...types import Sample, SamplingParams
-from ...weight_sync.ipc import serialize_named_tensors
-from ..engine import Bucket, RolloutEngine
-from .client import SGLangEngine
-from .launch import API_KEY_ENV, ServerProcess, resolve_python, router_command
-from .launch import server_env as launch_env
-from .protocol import distributed_payload, with_last
-from .weights import (
+from megatron_p3o.rollout.engine import Bucket, RolloutEngine
+from megatron_p3o.rollout.sglang.client import SGLangEngine
+from megatron_p3o.rollout.sglang.launch import (
+    API_KEY_ENV,
+    ServerProcess,
+    resolve_python,
+    router_command,
+)
+from megatron_p3o.rollout.sglang.launch import server_env as launch_env
+from megatron_p3o.rollout.sglang.protocol import distributed_payload, with_last
+from megatron_p3o.rollout.sglang.weights import (
     GROUP_JOIN_TIMEOUT_S,
     broadcast,
     group_name,
@@ -37,6 +39,9 @@ from .weights import (
     resolve_backend,
     weight_sync_group,
 )
+from megatron_p3o.runtime.ports import free_port
+from megatron_p3o.types import Sample, SamplingParams
+from megatron_p3o.weight_sync.ipc import serialize_named_tensors
 
 GROUP_RECORD = "weight_group.json"  # in the log dir: the group the last launch formed
 
@@ -78,6 +83,12 @@ class SGLangFleet(RolloutEngine):
             router.process = router_process
             router.concurrency = sum(w.concurrency for w in self.workers)
             router.on_failure = self._recover_workers
+
+    @classmethod
+    def solo(cls, engine: SGLangEngine, transport: str = "distributed") -> "SGLangFleet":
+        """One server as a fleet of one: its router and its only worker (its weight group lives
+        here, as for any fleet)."""
+        return cls(engine, [engine], transport)
 
     def start(self) -> "SGLangFleet":
         """Launch what is to be launched (all at once), then wait for every server."""
@@ -179,7 +190,7 @@ class SGLangFleet(RolloutEngine):
         one line (:func:`.weights.race`). The group is named per launch
         (:func:`.weights.group_name`); the one a previous launch left on attached servers is
         destroyed first."""
-        from .launch import SGLangSetupError
+        from megatron_p3o.rollout.sglang.launch import SGLangSetupError
 
         world = 1 + sum(w.cfg.tp_size for w in self.workers)
         offsets = [

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Literal, Optional, Sequence, Tuple
 
-from ...errors import UserError
-from ...ports import free_port
+from megatron_p3o.runtime.errors import UserError
+from megatron_p3o.runtime.ports import free_port
 
 PYTHON_ENV = "SGLANG_PYTHON"  # the SGLang environment's interpreter (tools/sglang_env.sh)
 API_KEY_ENV = "P3O_SGLANG_API_KEY"  # the per-job secret of servers and router (never in a recipe)
@@ -245,7 +245,7 @@ def launch_command(cfg: LaunchSettings, port: Optional[int] = None, python: str 
 def check_served_checkpoint(cfg: LaunchSettings) -> None:
     """``quantization: fp8`` needs a block-FP8 checkpoint to serve, and a block-FP8 checkpoint
     needs ``quantization: fp8`` (its pushes must be quantized): one line naming the file."""
-    from ...weight_sync.fp8 import is_fp8_block_config
+    from megatron_p3o.weight_sync.fp8 import is_fp8_block_config
 
     path = Path(cfg.model_path) / "config.json"
     try:

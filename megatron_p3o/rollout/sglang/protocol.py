@@ -25,8 +25,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...errors import UserError
-from ...types import Sample, SamplingParams
+from megatron_p3o.runtime.errors import UserError
+from megatron_p3o.types import Sample, SamplingParams
 
 
 class EngineUnavailableError(UserError, RuntimeError):

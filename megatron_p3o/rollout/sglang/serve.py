@@ -28,8 +28,8 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    from ...config import load_config
-    from .launch import (
+    from megatron_p3o.config.loading import load_config
+    from megatron_p3o.rollout.sglang.launch import (
         API_KEY_ENV,
         ServerProcess,
         cpu_stub_dir,
@@ -96,6 +96,6 @@ def _healthy(port: int) -> bool:
 
 
 if __name__ == "__main__":
-    from ...errors import run_cli
+    from megatron_p3o.runtime.errors import run_cli
 
     run_cli(main, "megatron_p3o.rollout.sglang.serve")

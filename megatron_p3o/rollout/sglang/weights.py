@@ -76,7 +76,7 @@ def server_nccl_version(python: str, env: Optional[dict] = None) -> Optional[str
 def check_nccl_versions(trainer: Optional[str], server: Optional[str], python: str) -> None:
     """NCCL refuses a communicator whose ranks run different versions (at the first
     broadcast, after the whole launch): refuse ``sync_backend: nccl`` up front."""
-    from .launch import SGLangSetupError
+    from megatron_p3o.rollout.sglang.launch import SGLangSetupError
 
     if trainer is None or server is None or trainer == server:
         return

@@ -1,0 +1,108 @@
+"""The probe's verdict table from a committed v4-style study: one level per engine-side setting
+(what a probe can measure: not staleness, reuse or corrupted reported ℓb), with its mismatch
+(each setting's probe columns averaged over its cells) and the declared family's calls.
+
+    python tools/verdict_levels.py recipes/stress_v4_tiny_cpu.yaml docs/stress_v4_tiny_cpu \
+        recipes/stress_v4_chain_tiny_cpu.yaml docs/stress_v4_chain_tiny_cpu
+
+prints the ``LEVELS`` entries of ``megatron_p3o/stress/verdicts.py`` (paste them there). A
+level's arm **failed** when the Holm-corrected family calls it worse than P3O there; P3O
+**failed** when an arm is called better than it; every other arm that ran there **held** (no
+corrected loss: mostly "inconclusive", not "equivalent" — the table keeps the call).
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EXOGENOUS = ("baseline", "logit_noise", "weight_rounding", "precision", "engine_temperature")
+
+
+def _cells(report_dir: Path) -> list:
+    rows = []
+    for r in csv.DictReader(open(report_dir / "cells.csv")):
+        r["seed"] = int(r["seed"])
+        for k in ("acc_end", "probe_abs_dlogp", "probe_abs_seq_dlogp", "probe_kl_b_theta"):
+            r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+        rows.append(r)
+    return rows
+
+
+def _what(spec, grid_name: str) -> str:
+    chain = ", 27-61-token completions" if "chain" in grid_name else ""
+    if spec.family == "baseline":
+        return f"embedded bf16 engine (the control){chain}"
+    if spec.family == "logit_noise":
+        return f"engine logit noise σ {spec.level:g}{chain}"
+    if spec.family == "weight_rounding":
+        return f"engine's weights rounded per channel to {spec.level:.3g}·max|w| (fp32 engine)"
+    return f"{spec.family} {spec.level:g}{chain}"
+
+
+def levels(grid_path: str, report_dir: str) -> list:
+    from megatron_p3o.stress.grid import arm_of, load_grid
+    from megatron_p3o.stress.report import _base_lr, adjust_family, v4_tests
+
+    grid = load_grid(grid_path)
+    cells = _cells(Path(report_dir))
+    declared, _ = v4_tests(grid, cells, _base_lr(grid))
+    rows = adjust_family(declared)
+    out = []
+    for mm, spec in grid.mismatch.items():
+        if spec.family not in EXOGENOUS:
+            continue
+        at = [c for c in cells if c["mismatch"] == mm and c["probe_abs_dlogp"] is not None]
+        if not at:
+            continue
+
+        def mean(k, at=at):
+            return sum(c[k] for c in at) / len(at)
+
+        arms = sorted({arm_of(c["objective"]) for c in cells if c["mismatch"] == mm})
+        failed, calls = {}, {}
+        for _, setting, arm, comp, _, _, t in rows:
+            if setting != mm or t is None:
+                continue
+            call = t.verdict()
+            calls[arm] = call
+            what = f"{t.mean:+.3f} [{t.lo:+.3f}, {t.hi:+.3f}], Holm p {t.p_adj:.2g}"
+            if call == "worse":
+                failed[arm] = f"worse than {comp} by {-t.mean:.3f} ({what})"
+            elif call == "better":
+                failed.setdefault(comp, "")
+                sep = "; " if failed[comp] else ""
+                failed[comp] += f"{sep}{arm} better by {t.mean:.3f} ({what})"
+        out.append(
+            {
+                "setting": mm if grid.name.endswith("v4_tiny_cpu") else f"chain {mm}",
+                "grid": grid.name,
+                "task": "reasoning_gym:chain_sum" if "chain" in grid.name else "arithmetic",
+                "what": _what(spec, grid.name),
+                "per_token": round(mean("probe_abs_dlogp"), 4),
+                "per_sequence": round(mean("probe_abs_seq_dlogp"), 4),
+                "kl": float(f"{mean('probe_kl_b_theta'):.3g}"),
+                "held": tuple(a for a in arms if a not in failed),
+                "failed": failed,
+                "calls": calls,
+            }
+        )
+    return out
+
+
+def main(argv) -> None:
+    import pprint
+
+    if len(argv) % 2:
+        sys.exit("usage: verdict_levels.py GRID REPORT_DIR [GRID REPORT_DIR ...]")
+    for g, d in zip(argv[::2], argv[1::2]):
+        for lv in levels(g, d):
+            pprint.pprint(lv, width=92, sort_dicts=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
