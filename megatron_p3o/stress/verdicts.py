@@ -405,8 +405,19 @@ def verdict(per_token: float, per_sequence: float) -> dict:
         "|Δℓ|; failed: failed at a level with at most both; mixed: both; untested: neither",
         "beyond_study": beyond,
         "nearest_level": {
-            **{k: near[k] for k in ("study", "setting", "grid", "task", "what", "per_token",
-                                    "per_sequence", "kl")},
+            **{
+                k: near[k]
+                for k in (
+                    "study",
+                    "setting",
+                    "grid",
+                    "task",
+                    "what",
+                    "per_token",
+                    "per_sequence",
+                    "kl",
+                )
+            },
             "p3o": at_near,
         },  # fmt: skip
         "objectives": calls,
