@@ -111,7 +111,8 @@ def test_colocated_launch_enables_the_memory_saver(monkeypatch, tmp_path):
     groups = initialize(Layout())
     base = ["rollout.engine=sglang", "rollout.sglang.model_path=/m", "rollout.sglang.device=cuda"]
     for mode in ("colocated", "distributed", "disk"):
-        cfg = load_config(None, base + [f"rollout.weight_sync={mode}"])
+        shared = [f"rollout.weight_sync_dir={tmp_path}"] if mode == "disk" else []
+        cfg = load_config(None, base + [f"rollout.weight_sync={mode}"] + shared)
         with pytest.raises(Stop):
             backend_mod._central_engines(cfg.rollout, groups, {}, str(tmp_path))
     assert ["--enable-memory-saver" in a for a in seen] == [True, False, False]
