@@ -3,7 +3,9 @@
 Ratio ρ = πθ/πb: mean, std, max and p50/p90/p99; mean k3(πθ‖πb); KL(πb‖πθ) estimated on the
 engine's samples; mean and p99 (``abs_log_ratio_p99``) of |ℓθ − ℓb|; entropy; with a reference
 model, ``kl_ref_k3``: the mean k3 of πθ to πref on the same samples (the "KL to the reference"
-of verl and NeMo-RL, whatever the objective's own use of ℓref).
+of verl and NeMo-RL, whatever the objective's own use of ℓref). Under reuse (``batch.epochs`` >
+1), ``kl_prev_epoch``: KL from the policy one epoch earlier to πθ on the same tokens
+(:func:`kl_prev_epoch_terms`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,32 @@ def add_mismatch_metrics(acc: StepMetrics, inp: LossInputs, entropy: bool = True
         acc.add("kl_ref_k3", k3(inp.logprobs.detach(), inp.ref_logprobs, m).sum(), n)
     if entropy and inp.entropy is not None:
         acc.add("entropy", (inp.entropy.detach() * m).sum(), n)
+
+
+def kl_prev_epoch_terms(
+    logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple:
+    """KL(πp‖πθ) between the policy one epoch earlier (πp, the ℓθ this micro-batch had in the
+    previous epoch's step) and πθ, on the engine's samples y ~ πb: how far one epoch over the
+    same rollout batch moved the policy on its tokens.
+
+    KL(πp‖πθ) = E_p[r − 1 − log r] with r = πθ/πp (k3: ≥ 0 per token); on πb samples each
+    token is importance-weighted by u = πp/πb and the sum self-normalised:
+    ``Σ u·(r − 1 − log r)·m / Σ u·m`` (float64). Tokens where either ℓ is non-finite are left
+    out.
+
+    Shapes: ``logprobs``, ``prev_logprobs``, ``behavior_logprobs``, ``mask``: ``[B, T]``.
+    Returns ``(numerator, denominator)`` device scalars, to sum over micro-batches and ranks.
+    """
+    lt, lp, lb = (x.detach().double() for x in (logprobs, prev_logprobs, behavior_logprobs))
+    m = mask.detach().double() * (torch.isfinite(lt) & torch.isfinite(lp)).double()
+    zero = torch.zeros((), dtype=torch.float64, device=lt.device)
+    d = torch.where(m > 0, lt - lp, zero)  # log r
+    u = torch.exp(torch.where(m > 0, lp - lb, zero)) * m
+    return (u * (torch.exp(d) - 1.0 - d)).sum(), u.sum()
 
 
 def finalize_mismatch(result: dict) -> dict:

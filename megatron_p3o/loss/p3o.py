@@ -22,7 +22,13 @@ from typing import Literal
 
 import torch
 
-from megatron_p3o.loss.terms import LossInputs, StepStats, k3, masked_log_ratio
+from megatron_p3o.loss.terms import (
+    LossInputs,
+    StepStats,
+    capped_weight_share,
+    k3,
+    masked_log_ratio,
+)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,10 @@ def p3o_terms(inp: LossInputs, stats: StepStats, h: P3OConfig):
         kl_b = w * kl_b
     per_tok = -w * inp.advantages.detach() * inp.logprobs + h.kl_scale * (1.0 - e) * kl_b
     n = m.sum()
-    metrics = {"frac_rho_above_ess": (((rho > e).float() * m).sum(), n)}
+    metrics = {
+        "frac_rho_above_ess": (((rho > e).float() * m).sum(), n),
+        "capped_weight_share": capped_weight_share(rho, e, inp.advantages, m),
+    }
     if h.ref_kl_coef:
         kl_ref = k3(inp.logprobs, inp.ref_logprobs, m, h.k3_clamp)
         per_tok = per_tok + h.ref_kl_coef * kl_ref

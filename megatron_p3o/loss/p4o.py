@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_p3o.loss.terms import LossInputs, StepStats, k3, masked_log_ratio
+from megatron_p3o.loss.terms import (
+    LossInputs,
+    StepStats,
+    capped_weight_share,
+    k3,
+    masked_log_ratio,
+)
 
 
 @dataclass(frozen=True)
@@ -51,4 +57,8 @@ def p4o_terms(inp: LossInputs, stats: StepStats, h: P4OConfig):
         mix = torch.logaddexp(lb, lp) - log(wb + wp + 2 * h.delta)
         w = (1.0 - e) * (1.0 - e >= 1e-6) if dev else 1.0 - e
         per_tok = per_tok + w * k3(inp.logprobs, mix, m, h.k3_clamp)
-    return (per_tok * m).sum(), {"frac_rho_above_ess": (((rho > e).float() * m).sum(), m.sum())}
+    metrics = {
+        "frac_rho_above_ess": (((rho > e).float() * m).sum(), m.sum()),
+        "capped_weight_share": capped_weight_share(rho, e, inp.advantages, m),
+    }
+    return (per_tok * m).sum(), metrics

@@ -86,6 +86,19 @@ def k3(logprobs: Tensor, anchor_logprobs: Tensor, mask: Tensor, clamp: float = 1
     return (d + torch.exp(torch.clamp(-d, -clamp, clamp)) - 1.0) * mask
 
 
+def capped_weight_share(rho: Tensor, cap, adv: Tensor, mask: Tensor) -> tuple:
+    """The share of an ESS-capped score term's weight carried by tokens at the cap (P3O, P4O).
+
+    The score term's gradient is −Σ_t w_t·A_t·∇ℓθ_t / N with w_t = min(ρ_t, e); its weight on
+    token t is |w_t·A_t|. Returns ``(Σ_t [ρ_t > e]·|w_t·A_t|·m_t, Σ_t |w_t·A_t|·m_t)`` (device
+    scalars, summed over micro-batches and ranks): the share of the gradient's coefficients,
+    not of its norm (the tokens' ∇ℓθ_t differ in size). ``rho``, ``adv``, ``mask``: ``[B, T]``;
+    ``cap``: a float or a device scalar.
+    """
+    weight = (torch.clamp(rho, max=cap) * adv).abs().detach() * mask
+    return ((rho > cap).float() * weight).sum(), weight.sum()
+
+
 def clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
     """PPO's pessimistic surrogate per token: ``−min(r·A, clip(r, 1−ε_l, 1+ε_h)·A)``."""
     return -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)

@@ -198,6 +198,8 @@ PER_STEP_KEYS = (
     "seq_clip_frac",
     "is_capped_frac",
     "frac_rho_above_ess",
+    "capped_weight_share",
+    "kl_prev_epoch",
     "mask_frac",
     "seq_mask_frac",
     "loss",

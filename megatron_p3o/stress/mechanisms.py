@@ -104,7 +104,9 @@ def _finite(x) -> bool:
 EPOCH_COLUMNS = (
     ("e_B", "ess", ".3f"),
     ("KL(πb‖πθ)", "kl_behavior_theta", ".4f"),
+    ("KL(π one epoch back‖πθ)", "kl_prev_epoch", ".4f"),
     ("tokens with ρ > e_B", "frac_rho_above_ess", ".0%"),
+    ("score weight at the cap", "capped_weight_share", ".0%"),
     ("‖g‖ before clip", "grad_norm", ".2f"),
     ("steps clipped", "grad_clipped", ".0%"),
     ("‖Δθ‖/‖θ‖ ×1e3", "update_rel", "1e3"),
@@ -162,9 +164,12 @@ def epoch_section(grid: GridConfig, rows: List[dict]) -> List[str]:
         "",
         "Per epoch of `batch.epochs` (the same rollout batch trained on again), each arm at its "
         "chosen rate, all seeds: the step's e_B, the KL(πb‖πθ) to the engine that sampled the "
-        "batch, the share of valid tokens whose ρ exceeds e_B (capped in P3O's score term), the "
-        "gradient norm before clipping, the share of steps clipped and the update's relative "
-        "size. Every arm's rows are in `epochs.csv`.",
+        "batch, the KL from the policy one epoch earlier to this epoch's start on the same "
+        "tokens (what the previous epoch moved; from epoch 2), the share of valid tokens whose ρ "
+        "exceeds e_B (capped in P3O's score term) and their share of the score term's weight "
+        "Σ|min(ρ, e_B)·A| (of the gradient's coefficients, not of its norm), the gradient norm "
+        "before clipping, the share of steps clipped and the update's relative size. Every "
+        "arm's rows are in `epochs.csv`.",
         "",
         "| setting | arm | epoch | " + " | ".join(n for n, _, _ in EPOCH_COLUMNS) + " |",
         "|---" * (len(EPOCH_COLUMNS) + 3) + "|",

@@ -49,7 +49,11 @@ import torch.distributed as dist
 
 from megatron_p3o.logprob.scoring import response_logprobs, score_responses
 from megatron_p3o.loss.config import LossConfig
-from megatron_p3o.loss.diagnostics import add_mismatch_metrics, finalize_mismatch
+from megatron_p3o.loss.diagnostics import (
+    add_mismatch_metrics,
+    finalize_mismatch,
+    kl_prev_epoch_terms,
+)
 from megatron_p3o.loss.ess import (
     EmptyStepError,
     FiniteWatch,
@@ -397,6 +401,7 @@ class PolicyUpdate:
         pools: List[torch.Tensor] = []
         watch = FiniteWatch()
         pooled = plan.ess_from in ("gradient_pass", "microbatch")
+        order = iter(microbatches)  # the last stage runs the losses in micro-batch order
 
         def loss_fn(batch, logits):
             needs_value = self.objective.needs_value
@@ -423,6 +428,7 @@ class PolicyUpdate:
                 dropped = batch["response"]["mask"].sum() - mask.sum()
                 acc.add("nonfinite_masked", dropped, 1.0)
                 add_mismatch_metrics(acc, inp, entropy=not plan.entropy_done)
+                _track_epochs(next(order), inp, acc)
             return loss, mask.sum().to(torch.int), {}
 
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
@@ -474,6 +480,19 @@ class PolicyUpdate:
         broadcast_objects(box, self.groups.last_stage_global_rank(), self.groups.pp,
                           "the loss-side metrics exist on the last stage only")  # fmt: skip
         return box[0]
+
+
+def _track_epochs(host: MicroBatch, inp: LossInputs, acc: StepMetrics) -> None:
+    """Reuse (``batch.epochs`` > 1) sees the same host micro-batch once per epoch: this step's
+    ℓθ ``[B, T]`` is kept in it (``response.prev_epoch_logprobs``, freed with the rollout
+    batch), and the next epoch's step adds ``kl_prev_epoch`` = KL(π one epoch earlier‖πθ) on its
+    tokens (:func:`~megatron_p3o.loss.diagnostics.kl_prev_epoch_terms`). Metrics only."""
+    resp = host["response"]
+    prev = resp.get("prev_epoch_logprobs")
+    if prev is not None and prev.shape == inp.logprobs.shape:
+        acc.add("kl_prev_epoch", *kl_prev_epoch_terms(inp.logprobs, prev, inp.behavior_logprobs,
+                                                      inp.mask))  # fmt: skip
+    resp["prev_epoch_logprobs"] = inp.logprobs.detach()
 
 
 def _check_whole_sequences(microbatches: List[MicroBatch], name: str) -> None:

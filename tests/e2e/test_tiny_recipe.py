@@ -2,6 +2,7 @@
 process and under torchrun (2 ranks)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,14 @@ def test_off_policy_knobs(base, tmp_path):
         assert m["ess_min"] == min(m["ess_steps"])
         assert m["ess_epoch0"] == pytest.approx(sum(m["ess_steps"][:2]) / 2)
         assert m["ess_epoch1"] == pytest.approx(sum(m["ess_steps"][2:]) / 2)
+        # reuse diagnostics: the second epoch sees how far the first moved the policy on the
+        # same tokens (lr 3e-3 moves it); P3O's capped tokens carry a share of its score weight
+        per = m["per_step"]
+        assert [("kl_prev_epoch" in s) for s in per] == [False, False, True, True]
+        assert all(s["kl_prev_epoch"] > 0 for s in per if s["epoch"] == 1)
+    shares = [s["capped_weight_share"] for m in lines for s in m["per_step"]]
+    assert any(math.isfinite(x) for x in shares)  # nan: a step whose advantages are all 0
+    assert all(0 <= x <= 1 for x in shares if math.isfinite(x))
 
 
 def test_base_model_matches_the_committed_config(base):

@@ -319,6 +319,12 @@ def test_metrics_quantiles_and_fractions():
         exact = srt[math.ceil(q / 100 * len(srt)) - 1].item()  # nearest-rank quantile
         assert abs(math.log(met[f"ratio_p{q}"] / exact)) < 0.011, (q, met[f"ratio_p{q}"], exact)
     assert abs(met["frac_rho_above_ess"] - (rho > met["ess"]).double().mean().item()) < 1e-12
+    # the capped tokens' share of the score term's weight Σ|min(ρ, e_B)·A| (float64 by hand)
+    a = x["adv"][:, None].expand_as(x["lp"])[m].abs()
+    w = torch.clamp(rho, max=met["ess"]) * a
+    share = float(w[rho > met["ess"]].sum() / w.sum())
+    assert 0.05 < share < 0.95  # both kinds of token carry weight in this batch
+    assert met["capped_weight_share"] == pytest.approx(share, rel=1e-9)
     assert abs(met["abs_logprob_diff"] - (x["lp"] - x["lb"])[m].abs().mean().item()) < 1e-9
 
 
@@ -350,6 +356,27 @@ def test_k3_on_behaviour_samples_estimates_chi2_minus_kl():
     kl_t_b = float((pt * (lt - lb)).sum())
     assert e_b_k3 == pytest.approx(chi2 - kl_b_t, rel=1e-12)
     assert abs(e_b_k3 - kl_t_b) > 0.01 * kl_t_b  # it is not the reverse KL
+
+
+def test_kl_prev_epoch_on_behaviour_samples_is_the_kl_between_the_epochs():
+    """``kl_prev_epoch`` (reuse diagnostics): on the engine's samples, the importance-weighted
+    k3 Σ u·(r − 1 − log r) / Σ u with u = πp/πb, r = πθ/πp is KL(πp‖πθ) exactly in expectation.
+    Exact sums over a 6-token vocabulary (the mask carries πb's probabilities), against the
+    float64 KL; zero when the policy did not move."""
+    from megatron_p3o.loss.diagnostics import kl_prev_epoch_terms
+
+    g = torch.Generator().manual_seed(5)
+    lp = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)
+    lt = torch.log_softmax(lp + 0.5 * torch.randn(6, generator=g, dtype=torch.float64), 0)
+    lb = torch.log_softmax(lp + 0.8 * torch.randn(6, generator=g, dtype=torch.float64), 0)
+    pb, pp = lb.exp(), lp.exp()
+    num, den = kl_prev_epoch_terms(lt[None], lp[None], lb[None], pb[None])
+    kl = float((pp * (lp - lt)).sum())
+    assert kl > 0.01
+    assert float(num / den) == pytest.approx(kl, rel=1e-12)
+    assert float(num / den) != pytest.approx(float((pb * (lb - lt)).sum()), rel=0.05)  # not πb's
+    num, _ = kl_prev_epoch_terms(lp[None], lp[None], lb[None], pb[None])
+    assert float(num) == 0.0
 
 
 def test_capped_k3_on_behaviour_samples_estimates_kl_theta_b():
