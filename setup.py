@@ -41,7 +41,8 @@ setup(
         "tasks": ["reasoning-gym==0.1.25"],
         # Weights & Biases logging (off by default; tests use its offline mode)
         "wandb": ["wandb"],
-        # accelerate: transformers' FP8 checkpoint loader needs it (the FP8 export's test)
-        "dev": ["pytest>=8", "ruff", "wandb", "accelerate"],
+        # accelerate: transformers' FP8 checkpoint loader needs it (the FP8 export's test);
+        # pytest-xdist: tools/run_tests.sh runs the suite's files on 2 workers
+        "dev": ["pytest>=8", "pytest-xdist", "ruff", "wandb", "accelerate"],
     },
 )

@@ -57,7 +57,10 @@ ruff check .
 ruff format --check .
 start=$(date +%s)
 set +e
-python -m pytest -q --durations=15 "$@"
+# the test files on P3O_TEST_WORKERS processes (pytest-xdist, whole files per worker so that
+# each file's fixtures are built once): the suite mostly waits on launched processes (SGLang
+# servers, torchrun ranks), ~57% of 2 cores when run serially. P3O_TEST_WORKERS=0: one process.
+python -m pytest -q --durations=15 -n "${P3O_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 set -e
 echo "test suite wall time: $(( $(date +%s) - start ))s"
