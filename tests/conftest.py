@@ -1,5 +1,7 @@
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +38,27 @@ def pytest_runtest_teardown(item, nextitem):
         _POOLS.close()
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(out)`` run once per test run, also when pytest-xdist runs the files on several
+    workers (each its own session, which would build every session fixture again: the
+    ``trained_export`` run alone is ≈ 70 s). The first worker to ask builds it under an
+    exclusive lock in the temporary directory all workers share (xdist's
+    ``getbasetemp().parent``); the others wait for it and reuse the result. A build that fails
+    leaves no ``.built`` mark, so the next worker to ask tries again (and fails as clearly)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".built").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            build(out)
+            (out / ".built").write_text("")
+    return out
+
+
 @pytest.fixture(scope="session")
 def base(tmp_path_factory):
     """The quickstart's own base model (the one shipped in ``bases/tiny_addition``, installed by
@@ -46,15 +69,18 @@ def base(tmp_path_factory):
     made = os.environ.get("P3O_TEST_BASE")  # a developer's base made earlier (not in CI)
     if made:
         return Path(made)
-    out = tmp_path_factory.mktemp("e2e") / "base"
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tools/make_tiny_base.py"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+
+    def build(d):
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "tools/make_tiny_base.py"), "--out", str(d / "base")],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=900,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    out = built_once(tmp_path_factory, "base", build) / "base"
     assert json.loads((out / "base.json").read_text())["heldout_greedy_acc"] >= 0.4
     return out
 
@@ -64,8 +90,9 @@ def moe_base(tmp_path_factory):
     """A tiny random Qwen3-MoE (4 experts, top-2) on the addition task: HF and Megatron."""
     from tests.e2e.cli import ENV, ROOT
 
-    out = tmp_path_factory.mktemp("moe") / "base"
-    code = f"""
+    def build(d):
+        out = d / "base"
+        code = f"""
 import sys, torch
 sys.path.insert(0, {str(ROOT)!r})
 from pathlib import Path
@@ -84,14 +111,15 @@ cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
     pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
 Qwen3MoeForCausalLM(cfg).save_pretrained(out / "hf")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run(
-        [sys.executable, "-m", "checkpoints_convert.hf_to_megatron", "--hf", str(out / "hf"),
-         "--out", str(out / "ckpt")], capture_output=True, text=True, env=ENV, cwd=ROOT,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+        assert r.returncode == 0, r.stderr[-3000:]
+        r = subprocess.run(
+            [sys.executable, "-m", "checkpoints_convert.hf_to_megatron", "--hf", str(out / "hf"),
+             "--out", str(out / "ckpt")], capture_output=True, text=True, env=ENV, cwd=ROOT,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "moe", build) / "base"
 
 
 @pytest.fixture(scope="session")
@@ -101,23 +129,25 @@ def trained_export(base, tmp_path_factory):
     run from outside the checkout: ``(run dir, export dir)``."""
     from tests.e2e.cli import ENV, ROOT, torchrun
 
-    d = tmp_path_factory.mktemp("trained")
-    sets = {
-        "model.checkpoint": base / "ckpt", "data.path": base / "train.jsonl",
-        "data.eval_path": base / "heldout.jsonl", "data.eval_every": 0, "steps": 2,
-        "batch.prompts_per_rollout": 8, "run.dir": d, "run.name": "tp2pp2",
-        "parallel.tp": 2, "parallel.pp": 2,
-    }  # fmt: skip
-    cmd = [*torchrun(4), "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml")]
-    for k, v in sets.items():
-        cmd += ["--set", f"{k}={v}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900, cwd=d)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    run = d / "tp2pp2"
-    r = subprocess.run(
-        [sys.executable, "-m", "checkpoints_convert.megatron_to_hf", "--ckpt", str(run),
-         "--out", str(d / "hf")], capture_output=True, text=True, env=ENV, timeout=600, cwd=d,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert json.loads(r.stdout[r.stdout.index("{") :])["checkpoint"].endswith("step_000002")
-    return run, d / "hf"
+    def build(d):
+        sets = {
+            "model.checkpoint": base / "ckpt", "data.path": base / "train.jsonl",
+            "data.eval_path": base / "heldout.jsonl", "data.eval_every": 0, "steps": 2,
+            "batch.prompts_per_rollout": 8, "run.dir": d, "run.name": "tp2pp2",
+            "parallel.tp": 2, "parallel.pp": 2,
+        }  # fmt: skip
+        cmd = [*torchrun(4), "-m", "megatron_p3o.train", str(ROOT / "recipes/tiny_cpu.yaml")]
+        for k, v in sets.items():
+            cmd += ["--set", f"{k}={v}"]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=900, cwd=d)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        r = subprocess.run(
+            [sys.executable, "-m", "checkpoints_convert.megatron_to_hf", "--ckpt",
+             str(d / "tp2pp2"), "--out", str(d / "hf")], capture_output=True, text=True, env=ENV,
+            timeout=600, cwd=d,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert json.loads(r.stdout[r.stdout.index("{") :])["checkpoint"].endswith("step_000002")
+
+    d = built_once(tmp_path_factory, "trained", build)
+    return d / "tp2pp2", d / "hf"

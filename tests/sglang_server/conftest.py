@@ -12,18 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cli import ROOT
+from tests.sglang_env import sglang_python as sglang_env_python
 
 
 @pytest.fixture(scope="session", autouse=True)
 def sglang_python():
-    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
-    if not os.access(py, os.X_OK):
-        pytest.fail(
-            f"no SGLang environment at {py}: run `bash tools/sglang_env.sh` and export "
-            "SGLANG_PYTHON (tools/run_tests.sh does both)",
-            pytrace=False,
-        )
+    py = sglang_env_python()
     os.environ["SGLANG_PYTHON"] = py
     return py
 

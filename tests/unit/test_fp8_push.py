@@ -10,7 +10,6 @@ loaders fill) and ``block_quant_dequant``, run in the SGLang environment.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from megatron_p3o.weight_sync.fp8 import (
     quantize_named,
     scale_name,
 )
+from tests.sglang_env import sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,10 +153,7 @@ def test_fp8_checkpoint_loads_in_transformers(which, request, tmp_path):
 
 
 def _sglang_python() -> str:
-    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
-    if not os.access(py, os.X_OK):
-        pytest.fail(f"no SGLang environment at {py} (bash tools/sglang_env.sh)", pytrace=False)
-    return py
+    return sglang_python()
 
 
 _SGLANG_FP8 = r"""

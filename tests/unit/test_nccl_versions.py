@@ -4,7 +4,6 @@ the first broadcast. The launch reads both versions and refuses up front, before
 starts. The SGLang side is read from the real SGLang environment; its expected value comes
 from that environment's installed NCCL wheel metadata, not from our probe."""
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -12,15 +11,13 @@ import pytest
 
 from megatron_p3o.rollout.sglang.weights import check_nccl_versions, server_nccl_version
 from megatron_p3o.runtime.errors import UserError
+from tests.sglang_env import sglang_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sglang_python() -> str:
-    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
-    if not os.access(py, os.X_OK):
-        pytest.fail(f"no SGLang environment at {py} (bash tools/sglang_env.sh)", pytrace=False)
-    return py
+    return sglang_python()
 
 
 def test_sglang_environment_nccl_version_is_read_without_a_gpu():

@@ -31,6 +31,7 @@ from megatron_p3o.rollout.sglang.protocol import (
     resume_payload,
 )
 from megatron_p3o.types import SamplingParams
+from tests.sglang_env import sglang_python, wait_for_the_environment
 
 from ..sglang_standin import SGLangStandIn
 
@@ -324,9 +325,7 @@ def test_tensor_payload_is_read_by_sglangs_own_deserializer():
 
     from megatron_p3o.weight_sync.ipc import serialize_named_tensors
 
-    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
-    if not os.access(py, os.X_OK):
-        pytest.fail(f"no SGLang environment at {py} (bash tools/sglang_env.sh)", pytrace=False)
+    py = sglang_python()
     named = [("model.norm.weight", torch.arange(4.0)), ("lm_head.weight", torch.ones(2, 3))]
     code = (
         "import json, sys\n"
@@ -422,6 +421,7 @@ def release_source(relpath: str) -> str:
     if found and found[0].is_file():
         with zipfile.ZipFile(found[0]) as z:
             return z.read(relpath).decode()
+    wait_for_the_environment()
     py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
     for site in sorted(Path(py).parent.parent.glob("lib/python3*/site-packages")):
         meta = list(site.glob(f"sglang-{PINNED}.dist-info"))
