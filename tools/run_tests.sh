@@ -60,7 +60,11 @@ set +e
 # the test files on P3O_TEST_WORKERS processes (pytest-xdist, whole files per worker so that
 # each file's fixtures are built once): the suite mostly waits on launched processes (SGLang
 # servers, torchrun ranks), ~57% of 2 cores when run serially. P3O_TEST_WORKERS=0: one process.
-python -m pytest -q --durations=15 -n "${P3O_TEST_WORKERS:-2}" --dist loadfile "$@"
+# Files are handed out in the order tests/conftest.py gives them (long tiers first, everything
+# that needs the SGLang environment after the e2e tier), not xdist's default (most tests per
+# file first: the unit files, some of which would wait for that environment).
+python -m pytest -q --durations=15 -n "${P3O_TEST_WORKERS:-2}" --dist loadfile \
+  --no-loadscope-reorder "$@"
 rc=$?
 set -e
 echo "test suite wall time: $(( $(date +%s) - start ))s"
