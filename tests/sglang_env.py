@@ -37,10 +37,15 @@ def wait_for_the_environment(timeout_s: float = 1800) -> None:
                     pytrace=False)  # fmt: skip
 
 
+def interpreter_path() -> str:
+    """Where the interpreter is expected: ``$SGLANG_PYTHON``, else ``.venv-sglang``."""
+    return os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
+
+
 def sglang_python() -> str:
     """The interpreter, once the environment is built; a clear failure where there is none."""
     wait_for_the_environment()
-    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
+    py = interpreter_path()
     if not os.access(py, os.X_OK):
         pytest.fail(
             f"no SGLang environment at {py}: run `bash tools/sglang_env.sh` and export "

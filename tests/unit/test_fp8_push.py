@@ -152,10 +152,6 @@ def test_fp8_checkpoint_loads_in_transformers(which, request, tmp_path):
     assert 0 < diff < 0.5, diff
 
 
-def _sglang_python() -> str:
-    return sglang_python()
-
-
 _SGLANG_FP8 = r"""
 import json, sys, torch
 from safetensors.torch import load_file
@@ -242,7 +238,7 @@ def test_pushed_fp8_buckets_match_sglangs_fp8_linear(tmp_path):
         "merged": {"qwen3_8b_qkv": [[4096, 1024, 1024], 4096],
                    "qwen3_8b_gate_up": [[12288, 12288], 4096], "tiny_qkv": [[64, 32, 32], 64]},
     }  # fmt: skip
-    py = _sglang_python()
+    py = sglang_python()
     env = server_env(cpu_libdir=cpu_stub_dir(py))
     r = subprocess.run([py, "-c", _SGLANG_FP8, json.dumps(spec)], capture_output=True, text=True,
                        env=env, timeout=600)  # fmt: skip

@@ -5,7 +5,6 @@ starts. The SGLang side is read from the real SGLang environment; its expected v
 from that environment's installed NCCL wheel metadata, not from our probe."""
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -13,15 +12,9 @@ from megatron_p3o.rollout.sglang.weights import check_nccl_versions, server_nccl
 from megatron_p3o.runtime.errors import UserError
 from tests.sglang_env import sglang_python
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _sglang_python() -> str:
-    return sglang_python()
-
 
 def test_sglang_environment_nccl_version_is_read_without_a_gpu():
-    py = _sglang_python()
+    py = sglang_python()
     meta = subprocess.run(
         [py, "-c", "import importlib.metadata as m; print(m.version('nvidia-nccl-cu13'))"],
         capture_output=True, text=True, timeout=120,
@@ -55,7 +48,7 @@ def test_launch_refuses_before_any_server_starts(monkeypatch, tmp_path):
         "megatron_p3o.rollout.sglang.build_fleet", lambda *a, **k: started.append(a)
     )
     monkeypatch.setattr(weights, "trainer_nccl_version", lambda: "2.27.3")
-    monkeypatch.setenv("SGLANG_PYTHON", _sglang_python())
+    monkeypatch.setenv("SGLANG_PYTHON", sglang_python())
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/m",
                              "rollout.sglang.device=cuda", "rollout.weight_sync=distributed",
                              "rollout.sglang.sync_backend=nccl"])  # fmt: skip
@@ -80,7 +73,7 @@ def test_the_probe_runs_in_the_servers_environment(monkeypatch, tmp_path):
     )
     monkeypatch.setattr(weights, "trainer_nccl_version", lambda: "2.27.3")
     monkeypatch.setattr(weights, "server_nccl_version", lambda py, env=None: seen.append(env))
-    monkeypatch.setenv("SGLANG_PYTHON", _sglang_python())
+    monkeypatch.setenv("SGLANG_PYTHON", sglang_python())
     monkeypatch.setenv("LD_PRELOAD", "/trainer/libnccl.so.2")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     lib = str(tmp_path / "libnccl.so.2")

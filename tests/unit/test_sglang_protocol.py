@@ -31,7 +31,7 @@ from megatron_p3o.rollout.sglang.protocol import (
     resume_payload,
 )
 from megatron_p3o.types import SamplingParams
-from tests.sglang_env import sglang_python, wait_for_the_environment
+from tests.sglang_env import interpreter_path, sglang_python, wait_for_the_environment
 
 from ..sglang_standin import SGLangStandIn
 
@@ -422,7 +422,7 @@ def release_source(relpath: str) -> str:
         with zipfile.ZipFile(found[0]) as z:
             return z.read(relpath).decode()
     wait_for_the_environment()
-    py = os.environ.get("SGLANG_PYTHON") or str(ROOT / ".venv-sglang/bin/python")
+    py = interpreter_path()
     for site in sorted(Path(py).parent.parent.glob("lib/python3*/site-packages")):
         meta = list(site.glob(f"sglang-{PINNED}.dist-info"))
         if meta and (site / relpath).is_file():
