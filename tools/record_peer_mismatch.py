@@ -34,8 +34,12 @@ from pathlib import Path
 
 import torch
 from peer_mismatch.areal import areal_cases, areal_m2po_edge_cases
+from peer_mismatch.exp_edges import ExpAtEdges, band_edges, kept_here, kept_states
 from peer_mismatch.inputs import (
+    EDGE_LENGTHS,
     SEED,
+    SEQ_EDGES,
+    TOKEN_EDGES,
     check_design,
     check_edge_design,
     make_edge_inputs,
@@ -44,14 +48,54 @@ from peer_mismatch.inputs import (
     make_m2po_rho_inputs,
     make_m2po_tie_inputs,
 )
-from peer_mismatch.nemo import nemo_cases, nemo_edge_cases
-from peer_mismatch.slime import slime_cases, slime_edge_cases
+from peer_mismatch.nemo import NEMO_EDGE_VARIANTS, nemo_cases, nemo_edge_cases
+from peer_mismatch.slime import SLIME_EDGE_VARIANTS, slime_cases, slime_edge_cases
 from peer_mismatch.sources import PeerSource
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "peer_mismatch_corrections.json"
 
 # --------------------------------------------------------------------------------------------
+
+
+def with_outcomes(cases: list[dict], run_one, bands: list[tuple], x) -> list[dict]:
+    """Issue 51: each edge case's peer outputs for every kept/dropped combination of its edges.
+
+    ``run_one(i)`` runs the peer on variant i (returns its case); ``bands[i]`` is
+    (level, low, high). The edges are put on their bounds or one ulp outside by
+    ``ExpAtEdges`` around the peer's own code; the all-kept outcome must equal the case as
+    recorded without the mode (this host's ``exp`` lands every edge on its bound)."""
+    for i, case in enumerate(cases):
+        level, low, high = bands[i]
+        edges = band_edges(TOKEN_EDGES, SEQ_EDGES, level, low, high)
+        assert edges and kept_here(x, edges, low, high) == (True,) * len(edges), case["name"]
+        outcomes = []
+        for kept in kept_states(len(edges)):
+            with ExpAtEdges(edges, kept):
+                c = run_one(i)
+            outcomes.append(
+                {
+                    "kept": list(kept),
+                    "loss": c["loss"],
+                    "grad_logprobs": c["grad_logprobs"],
+                    "metrics": c["metrics"],
+                }
+            )
+        assert outcomes[0]["loss"] == case["loss"], (case["name"], outcomes[0]["loss"])
+        assert outcomes[0]["grad_logprobs"] == case["grad_logprobs"], case["name"]
+        assert len({o["loss"] for o in outcomes}) == len(outcomes), case["name"]
+        case["edges"], case["outcomes"] = edges, outcomes
+    return cases
+
+
+def _nemo_band(v) -> tuple:
+    level = "token" if v[1] == "icepop" else "seq"
+    tis = v[2]
+    return (
+        level,
+        tis["truncated_importance_sampling_ratio_min"],
+        tis["truncated_importance_sampling_ratio"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         src = PeerSource(a.nemo_rl, "NVIDIA-NeMo/RL")
         peers["nemo_rl"], c = nemo_cases(src, x)
         cases += c
-        edge_cases += nemo_edge_cases(src, xe)[1]
+        edge_cases += with_outcomes(
+            nemo_edge_cases(src, xe)[1],
+            lambda i: nemo_cases(src, xe, [NEMO_EDGE_VARIANTS[i]], EDGE_LENGTHS)[1][0],
+            [_nemo_band(v) for v in NEMO_EDGE_VARIANTS],
+            xe,
+        )
     if a.areal:
         src = PeerSource(a.areal, "inclusionAI/AReaL")
         areal_peers, c = areal_cases(src, x)
@@ -103,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         src = PeerSource(a.slime, "THUDM/slime")
         peers["slime"], c = slime_cases(src, x)
         cases += c
-        edge_cases += slime_edge_cases(src, xe)[1]
+        edge_cases += with_outcomes(
+            slime_edge_cases(src, xe)[1],
+            lambda i: slime_cases(src, xe, [SLIME_EDGE_VARIANTS[i]], EDGE_LENGTHS)[1][0],
+            [("token", v[1], v[2]) for v in SLIME_EDGE_VARIANTS],
+            xe,
+        )
     if not cases:
         ap.error("give at least one of --nemo-rl, --areal, --slime")
 
