@@ -205,7 +205,9 @@ def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model)
     if "routed_experts" in batch or "route_mode" in batch:  # MoE: the engine's experts (R3)
         from megatron_p3o.model.routing import set_routes
 
-        set_routes(model, batch.get("routed_experts"), batch.get("route_mode", "off"))
+        lay = groups.layout
+        shard = (groups.tp_rank, lay.tp) if lay.sequence_parallel else None
+        set_routes(model, batch.get("routed_experts"), batch.get("route_mode", "off"), shard)
     fused = _fused_output(model)
     with fused.armed() if fused is not None else nullcontext():
         out = model(tokens, position_ids, None, packed_seq_params=params)  # [b, s/cp, V/tp]

@@ -84,11 +84,15 @@ def attach(chunks) -> List[LayerRoutes]:
     return hooks
 
 
-def set_routes(model, routed: Optional[Tensor], mode: str) -> None:
+def set_routes(
+    model, routed: Optional[Tensor], mode: str, sp_shard: Optional[tuple] = None
+) -> None:
     """Give every MoE layer of ``model`` its tokens' recorded experts for the next forward.
 
     ``routed``: ``[b, s, layers, k]`` (this rank's tokens, CP-sliced like ``tokens``) or None.
-    Megatron routes ``[s, b]``-major tokens, hence the transpose."""
+    Megatron routes ``[s, b]``-major tokens, hence the transpose. ``sp_shard``: (tp rank, tp
+    size) under sequence parallelism, where each TP rank's router sees only its slice of the
+    sequence dimension (Megatron scatters ``[s, b, h]`` along ``s`` before the first layer)."""
     for layer, router in _routers(model):
         hook = router.router_replay
         if not isinstance(hook, LayerRoutes):
@@ -97,8 +101,12 @@ def set_routes(model, routed: Optional[Tensor], mode: str) -> None:
         if routed is None:
             hook.target = None
             continue
-        r = routed[:, :, layer]  # [b, s, k]
-        hook.target = r.transpose(0, 1).reshape(-1, r.shape[-1]).long()
+        r = routed[:, :, layer].transpose(0, 1)  # [s, b, k]
+        if sp_shard is not None:
+            rank, size = sp_shard
+            n = r.shape[0] // size
+            r = r[rank * n : (rank + 1) * n]
+        hook.target = r.reshape(-1, r.shape[-1]).long()
 
 
 def agreement(hooks: List[LayerRoutes], num_layers: int, device, group) -> Dict[str, float]:

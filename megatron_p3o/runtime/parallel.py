@@ -175,6 +175,13 @@ class Layout:
             raise LayoutError(
                 f"parallel layout: num_experts={num_experts} is not divisible by ep={self.ep}"
             )
+        if num_experts and self.tp > 1 and not self.sequence_parallel:
+            # megatron-core's MoELayer.forward raises this at the first training forward
+            raise LayoutError(
+                f"parallel layout: a mixture-of-experts model at tp={self.tp} needs "
+                "parallel.sequence_parallel: true (Megatron trains MoE with tensor parallelism "
+                "only under sequence parallelism)"
+            )
         etp = self.tp if self.etp is None else self.etp
         if num_experts and expert_ffn % etp:
             raise LayoutError(

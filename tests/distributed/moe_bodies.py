@@ -50,7 +50,12 @@ def replay_step(groups, family, init, mode):
 
     def loss_fn(batch, logits):
         lp, _ = vocab_parallel_logprobs(logits, batch["targets"], groups.tp, vocab_size=vocab)
-        got["logits"] = logits.detach()[..., :vocab].clone()
+        whole = logits.detach()
+        if groups.layout.tp_enabled:  # the vocabulary shards, gathered for the comparison
+            parts = [torch.empty_like(whole) for _ in range(groups.layout.tp)]
+            torch.distributed.all_gather(parts, whole.contiguous(), group=groups.tp)
+            whole = torch.cat(parts, -1)
+        got["logits"] = whole[..., :vocab].clone()
         return -lp[:, :-1].sum() / (B * (S - 1)), 0, {}
 
     zero_grads(ddp)

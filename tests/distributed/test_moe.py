@@ -66,6 +66,21 @@ def test_ep2_tp2_equals_float64_reference(pools, tmp_path, init_moe, dispatcher)
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(tp=2, sequence_parallel=True), Layout(tp=2, ep=2, etp=1, sequence_parallel=True)],
+    ids=["tp2_sp_etp2", "tp2_sp_ep2_etp1"],
+)
+def test_tp2_sequence_parallel_on_two_ranks_equals_float64_reference(
+    pools, tmp_path, init_moe, layout
+):
+    """The layouts MoE recipes use, on 2 ranks (issue 52, item 0): TP 2 under sequence
+    parallelism with the experts split over TP (expert-TP 2) or spread over the same two ranks
+    (EP 2, expert-TP 1: rank 1 holds experts 2-3 at TP rank 1)."""
+    _check(pools, tmp_path, init_moe, layout, 2, "alltoall")
+
+
+@pytest.mark.distributed
 def test_dense_sequence_parallel_equals_float64_reference(pools, tmp_path, init_ckpts):
     """Sequence parallelism on CPU (the local spec's norm marks its weight for the TP sum)."""
     _check(pools, tmp_path, init_ckpts("llama"), Layout(tp=2, sequence_parallel=True), 2,
@@ -81,3 +96,8 @@ def test_expert_layout_errors_name_the_numbers():
         Layout(pp=2, ep=4).resolve(4)
     with pytest.raises(LayoutError, match="needs a mixture-of-experts model"):
         Layout(ep=2).resolve(2).check_model(num_layers=2, num_heads=4, num_kv_heads=2)
+    # Megatron's MoELayer refuses TP without sequence parallelism at the first training forward
+    with pytest.raises(LayoutError, match=r"at tp=2 needs parallel.sequence_parallel: true"):
+        Layout(tp=2).resolve(2).check_model(
+            num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, expert_ffn=32
+        )

@@ -24,10 +24,20 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+# TP 2 runs MoE under sequence parallelism only: each TP rank's router sees its slice of the
+# sequence, and the recorded routes must be sliced the same way (issue 52, item 0)
+SP_LAYOUTS = {
+    "tp2_sp": (Layout(tp=2, sequence_parallel=True), 2),
+    "tp2_sp_ep2_etp1": (Layout(tp=2, ep=2, etp=1, sequence_parallel=True), 2),
+    "tp2_sp_ep2_dp2": (Layout(tp=2, ep=2, sequence_parallel=True), 4),
+}
+LAYOUTS = {"ep1": (Layout(), 1), "ep2": (Layout(ep=2), 2), **SP_LAYOUTS}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [Layout(), Layout(ep=2)], ids=["ep1", "ep2"])
-def test_replayed_forward_and_router_gradient_follow_the_recorded_experts(pools, init_moe, layout):
-    world = 1 if layout.ep == 1 else 2
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_replayed_forward_and_router_gradient_follow_the_recorded_experts(pools, init_moe, name):
+    layout, world = LAYOUTS[name]
     res = pools(world).run(mb.replay_step, layout, family="qwen3moe", init=init_moe, mode="r3")
     ref = pools(1).run(mb.hf_reference, Layout(), family="qwen3moe", init=init_moe,
                        forced_routes=True)[0]  # fmt: skip
@@ -47,10 +57,13 @@ def test_replayed_forward_and_router_gradient_follow_the_recorded_experts(pools,
 
 
 @pytest.mark.distributed
-def test_replay_off_routes_by_itself(pools, init_moe):
-    off = pools(1).run(mb.replay_step, Layout(), family="qwen3moe", init=init_moe, mode="off")[0]
-    plain = pools(1).run(mb.replay_step, Layout(), family="qwen3moe", init=init_moe,
-                         mode="none")[0]  # fmt: skip
+@pytest.mark.parametrize("name", ["ep1", "tp2_sp", "tp2_sp_ep2_etp1"])
+def test_replay_off_routes_by_itself(pools, init_moe, name):
+    layout, world = LAYOUTS[name]
+    off = pools(world).run(mb.replay_step, layout, family="qwen3moe", init=init_moe,
+                           mode="off")[0]  # fmt: skip
+    plain = pools(world).run(mb.replay_step, layout, family="qwen3moe", init=init_moe,
+                             mode="none")[0]  # fmt: skip
     own = pools(1).run(mb.hf_reference, Layout(), family="qwen3moe", init=init_moe,
                        forced_routes=False)[0]  # fmt: skip
     assert torch.equal(off["logits"], plain["logits"])
