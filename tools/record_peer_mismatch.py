@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             "far side of log(bound); the 2-token rows 1 and 2 have NeMo-RL's geometric mean "
             "exp(Σd / (n + 1e-8)) == 1.002 and 0.8 exactly with the plain mean of d on the far "
             "side of log(bound). M2PO (T=16): two micro-batches with the large δ in the first; "
-            "one micro-batch with a kept token at ρ ≈ 5.5; one with 8 tokens tied at δ = 0.5 "
-            "and k* = 2 inside the tie."
+            "one micro-batch with a kept token at ρ ≈ 5.5; one with 8 interchangeable tokens "
+            "tied at δ = 0.5 and k* = 2 inside the tie."
         ),
         "peers": peers,
         "cases": [c for c in cases if c["objective"] in ("icepop", "seq_mask_tis")],

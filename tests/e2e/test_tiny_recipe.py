@@ -112,11 +112,14 @@ def test_torchrun_two_ranks(base, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     _check_run(tmp_path / "two", 3, r.stdout)
     lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["staleness_max"] for m in lines] == [
-        0.0,
-        1.0,
-        1.0,
-    ]  # + replayed groups could be older
+    # the fresh rollouts lag by 0, 1, 1 versions (async K=1); a step that trained BAPO-replayed
+    # groups may also hold older ones (whether the base's sampled groups get replayed depends on
+    # the tokens drawn, hence on the CPU's rounding): at most as old as the run
+    for i, (m, fresh) in enumerate(zip(lines, [0.0, 1.0, 1.0])):
+        if m["replay_groups"] == 0:
+            assert m["staleness_max"] == fresh, (i, m["staleness_max"])
+        else:
+            assert fresh <= m["staleness_max"] <= i, (i, m["staleness_max"])
     assert [m["rollout_version"] for m in lines] == [0.0, 0.0, 1.0]
     # both switched on and both acted: dynamic sampling dropped and refilled homogeneous groups
     # (1 prompt in 4 is all-right or all-wrong at the base's 0.48), BAPO kept mixed groups for

@@ -45,14 +45,17 @@ def band_edges(
 
 
 def edge_ratio(x: dict[str, torch.Tensor], edge: dict) -> float:
-    """The edge's ratio as this CPU's ``exp`` gives it: the token's ``exp(ℓold − ℓb)``, or the
-    row's geometric mean as NeMo-RL forms it, ``exp(Σ_t d_t / (n + 1e-8))``."""
-    d = (x["old_logprobs"] - x["behavior_logprobs"]) * x["mask"]
+    """The edge's ratio as this CPU's ``exp`` gives it, computed over the whole ``[B, T]`` (or
+    ``[B]``) tensor as the objectives compute it (a vectorised ``exp`` may take another path for
+    a lone element): the token's ``exp(ℓold − ℓb)``, or the row's geometric mean as NeMo-RL
+    forms it, ``exp(Σ_t d_t / (n + 1e-8))``."""
+    m = x["mask"]
+    d = torch.where(m > 0, x["old_logprobs"] - x["behavior_logprobs"], torch.zeros_like(m))
     if edge["level"] == "token":
         i, t = edge["index"]
-        return float(torch.exp(d[i, t]))
+        return float(torch.exp(d)[i, t])
     (i,) = edge["index"]
-    return float(torch.exp(d[i].sum() / (x["mask"][i].sum() + 1e-8)))
+    return float(torch.exp((d * m).sum(-1) / (m.sum(-1) + 1e-8))[i])
 
 
 def kept_here(x: dict[str, torch.Tensor], edges: list[dict], low: float, high: float) -> tuple:

@@ -215,9 +215,9 @@ def make_m2po_rho_inputs() -> tuple[dict[str, torch.Tensor], list[list[int]]]:
 
 
 def make_m2po_tie_inputs() -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-    """One micro-batch of 4 rows (40 tokens): 8 tokens share δ = 0.5 exactly (dyadic ℓold,
-    ℓb), the rest |δ| ≤ ~0.03, so that k* = 2 falls inside the tie: AReaL masks 2 of the 8 (in
-    its sort order), a cut by value would mask all 8."""
+    """One micro-batch of 4 rows (40 tokens): 8 interchangeable tokens share δ = 0.5 exactly
+    (dyadic ℓold, ℓb), the rest |δ| ≤ ~0.03, so that k* = 2 falls inside the tie: AReaL masks
+    2 of the 8 (in its sort order), a cut by value would mask all 8."""
     g = torch.Generator().manual_seed(SEED + 4)
     r = _m2_rows(g, 4, [10, 10, 10, 10], 0.01)
     old = torch.round(r["old"] * 1024) / 1024  # dyadic: old − 0.5 and back are exact
@@ -226,6 +226,12 @@ def make_m2po_tie_inputs() -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     for i, t in tied:
         log_is[i, t] = 0.5
     x = _m2_finish(g, r["mask"], old, log_is)
+    # issue 51: the tied tokens are interchangeable (the same ℓθ, ℓold, ℓb, A), so which 2 of
+    # them a sort puts first (its tie-break: the library's, possibly the CPU's) changes nothing
+    i0, t0 = tied[0]
+    for key in ("logprobs", "old_logprobs", "behavior_logprobs", "advantages"):
+        for i, t in tied:
+            x[key][i, t] = x[key][i0, t0]
     d = x["old_logprobs"] - x["behavior_logprobs"]
     assert all(float(d[i, t]) == 0.5 for i, t in tied)
     return x, [[0, 4]]
