@@ -14,8 +14,17 @@ from the release's own source): weight pushes over a process group or as tensors
 weight-update session (``/begin_weight_update`` … ``/end_weight_update``), ``weight_version``
 reported as the string ``"default"`` until a push sets it, and, when started with an API key,
 ``401`` for any request without ``Authorization: Bearer <key>``; a push while the weights' memory
-is released (colocated servers) is refused. It records every route it was asked for, in order.
+is released (colocated servers) is refused. It records every POST it was asked for, in order.
 Generation is delegated to ``generate(body) -> (output_ids, logprobs, finish_type)``.
+
+Its answers have the shape of the release's own handlers (``tests/unit/test_sglang_round5.py``
+derives each route's success body from ``http_server.py``): ``null`` from the memory routes
+(their handlers return nothing), an empty body from ``/health`` and ``/ready`` (503 while
+paused: the release's ``/health`` generates a token, which a pause holds until it gives up
+after 20 s), objects with the handlers' keys elsewhere, and the weight updater's own messages.
+``GET /server_info`` answers only when started with ``server_info`` (the server arguments an
+attaching client reads, e.g. ``{"tp_size": 2, "dp_size": 1, "pp_size": 1}``); without it the
+route is missing, as behind a router, and the client keeps its recipe's ``tp_size``.
 """
 
 from __future__ import annotations
@@ -27,6 +36,15 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 SESSION_ROUTES = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+GET_ROUTES = ("/health", "/ready", "/server_info")
+POST_ROUTES = (
+    "/generate", "/pause_generation", "/continue_generation", "/begin_weight_update",
+    "/end_weight_update", "/release_memory_occupation", "/resume_memory_occupation",
+    *SESSION_ROUTES, "/update_weights_from_disk", "/init_weights_update_group",
+)  # fmt: skip
+# the weight updater's messages (sglang/srt/managers/scheduler_components/weight_updater.py)
+ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NONE_OPEN = "no weight-update session is open; call begin_weight_update() first"
 
 
 class SGLangStandIn:
@@ -35,8 +53,10 @@ class SGLangStandIn:
         generate: Callable[[dict], Tuple[List[int], List[float], str]],
         api_key: Optional[str] = None,
         load_from_disk: Optional[Callable[[str], None]] = None,
+        server_info: Optional[dict] = None,
     ):
         self.generate, self.api_key, self.load_from_disk = generate, api_key, load_from_disk
+        self.server_info = server_info
         self.lock = threading.Lock()
         self.routes: List[Tuple[str, dict]] = []  # (path, body) in arrival order
         self.version = "default"
@@ -49,10 +69,11 @@ class SGLangStandIn:
             def log_message(self, *a):
                 pass
 
-            def _send(self, obj, code=200):
-                raw = json.dumps(obj).encode()
+            def _send(self, obj, code=200, empty=False):
+                raw = b"" if empty else json.dumps(obj).encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                if not empty:
+                    self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
                 self.wfile.write(raw)
@@ -68,10 +89,18 @@ class SGLangStandIn:
                 return False
 
             def do_GET(self):
-                if not self._authorized():
-                    return
-                ok = self.path == "/health"
-                self._send({} if ok else {"error": self.path}, 200 if ok else 404)
+                if self.path not in ("/health", "/ready") and not self._authorized():
+                    return  # /health and /ready stay open under a key (srt/utils/auth.py)
+                if self.path == "/health":  # its generation is held while paused: 503
+                    self._send(None, 503 if outer.paused else 200, empty=True)
+                elif self.path == "/ready":
+                    self._send(None, 503 if outer.paused else 200, empty=True)
+                elif self.path == "/server_info" and outer.server_info is not None:
+                    info = {"version": "0.5.23", "frontend": "python", "internal_states": [{}],
+                            "startup_time": 0.0, **outer.server_info}  # fmt: skip
+                    self._send(info)
+                else:
+                    self._send({"detail": "Not Found"}, 404)
 
             def do_POST(self):
                 if not self._authorized():
@@ -119,20 +148,20 @@ class SGLangStandIn:
             return {"message": "Generation continued successfully.", "status": "ok"}, 200
         if path == "/begin_weight_update":
             if self.in_session:
-                return self._fail("a weight-update session is already open")
+                return self._fail(ALREADY_OPEN)
             self.in_session = True
-            return {"success": True, "message": ""}, 200
+            return {"success": True, "message": "Success"}, 200
         if path == "/end_weight_update":
             if not self.in_session:
-                return self._fail("no weight-update session is open")
+                return self._fail(NONE_OPEN)
             self.in_session = False
-            return {"success": True, "message": ""}, 200
-        if path == "/release_memory_occupation":
+            return {"success": True, "message": "Success"}, 200
+        if path == "/release_memory_occupation":  # the handlers return nothing: null
             self.released = set(body.get("tags") or ("weights", "kv_cache"))
-            return {}, 200
+            return None, 200
         if path == "/resume_memory_occupation":
             self.released -= set(body.get("tags") or ("weights", "kv_cache"))
-            return {}, 200
+            return None, 200
         if path in SESSION_ROUTES:
             if "weights" in self.released:
                 return self._fail(f"{path}: the weights' memory is released (resume it first)")

@@ -21,10 +21,13 @@ Rollout-engine memory: a colocated SGLang server (``weight_sync: colocated``, la
 ``--enable-memory-saver``) frees its weights and KV cache while the trainer updates, but while it
 generates it holds ``mem_fraction_static`` of the GPU next to the trainer's resident state
 (parameters, gradients, optimizer, reference; activations and logits are gone by then): that sum
-must fit too, or the dry run refuses the recipe. During the push itself the server holds its
-weights again (the served model ÷ its TP size) and each receiving trainer rank the push buffers
-(:func:`megatron_p3o.weight_sync.colocated.push_buffer_bytes`: two 256 MiB buckets, each up to
-one step's tensors over, and the tensor its stage gathered): that sum must fit as well.
+must fit too, or the dry run refuses the recipe. "Gone" assumes what the trainer does: it
+returns PyTorch's cached blocks to the driver (``torch.cuda.empty_cache()`` on every rank, then a
+barrier) before the server resumes its weights and again before it resumes its KV cache —
+memory the caching allocator keeps reserved is not free for SGLang. During the push itself the
+server holds its weights again (the served model ÷ its TP size) and each receiving trainer rank
+the push buffers (:func:`megatron_p3o.weight_sync.colocated.push_buffer_bytes`: three 256 MiB
+buckets, each up to one tensor over): that sum must fit as well.
 """
 
 from __future__ import annotations
@@ -228,21 +231,18 @@ def colocated_rollout_gib(cfg: TrainConfig, plan: Plan, gpu_gib: float) -> Dict[
     if r.engine != "sglang" or r.weight_sync != "colocated":
         return {}
     resident = sum(v for k, v in plan.gib.items() if k not in _TRANSIENT)
+    served = 1 if r.sglang.quantization == "fp8" else _BYTES.get(r.sglang.dtype, 2)
     from megatron_p3o.rollout.central import COLOCATED_BUCKET_BYTES
     from megatron_p3o.weight_sync.colocated import push_buffer_bytes
 
     desc, _ = describe_model(cfg)
     pb = _BYTES[cfg.model.params_dtype]
-    p = cfg.parallel
     largest = max(desc.vocab_size, desc.intermediate_size) * desc.hidden_size * pb
-    expert = (desc.moe_intermediate_size or 0) * desc.hidden_size * pb
-    step = max(largest, expert * max(p.ep, 1)) * p.pp  # the tensors one step broadcasts
-    served = 1 if r.sglang.quantization == "fp8" else _BYTES.get(r.sglang.dtype, 2)
     return {
         "trainer": resident,
         "server": r.sglang.mem_fraction_static * gpu_gib,
         "server_weights": plan.params_total * served / r.sglang.tp_size / 2**30,
-        "push": push_buffer_bytes(COLOCATED_BUCKET_BYTES, largest, step) / 2**30,
+        "push": push_buffer_bytes(COLOCATED_BUCKET_BYTES, largest) / 2**30,
     }
 
 
@@ -406,7 +406,8 @@ def dry_run(
         frac = cfg.rollout.sglang.mem_fraction_static
         lines.append(
             f"while the colocated server generates: trainer {co['trainer']:.2f} GiB resident + "
-            f"server {co['server']:.2f} GiB (mem_fraction_static {frac}) = {total:.2f} GiB"
+            f"server {co['server']:.2f} GiB (mem_fraction_static {frac}) = {total:.2f} GiB "
+            "(activations and logits returned to the driver before each resume: empty_cache)"
         )
         if total > limit:
             room = max(0.0, (limit - co["trainer"]) / gpu_gib)

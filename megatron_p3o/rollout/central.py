@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
@@ -36,7 +35,19 @@ from megatron_p3o.runtime.collectives import (
 from megatron_p3o.runtime.parallel import ParallelGroups
 from megatron_p3o.types import Sample, SamplingParams
 
-COLOCATED_BUCKET_BYTES = 256 * 2**20  # per colocated push bucket (plan.py counts two of them)
+COLOCATED_BUCKET_BYTES = 256 * 2**20  # per colocated push bucket (plan.py counts three)
+
+
+def return_cached_memory(objects: dist.ProcessGroup, why: str) -> None:
+    """Every rank gives PyTorch's cached, unused GPU blocks back to the driver, then waits for
+    the others: a colocated server resumes into fresh physical memory, and blocks the caching
+    allocator keeps reserved are not free for it (nothing to do without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    barrier(objects, why)
 
 
 class CentralEngine(RolloutEngine):
@@ -57,6 +68,7 @@ class CentralEngine(RolloutEngine):
         self.objects = objects  # parallel.new_object_group(): this engine's own gloo group
         self.weight_sync, self.sync_dir, self.hf_config = weight_sync, sync_dir, hf_config
         self._released = False  # colocated: the server gave its GPU memory back (rank 0)
+        self._plan = None  # colocated: (receivers, bucket bytes), ColocatedPlan, made once
         self.name = f"central({inner.name if inner else 'remote'})"
         self.weight_version = inner.weight_version if inner is not None else 0
         self.leader = groups.is_dp_leader
@@ -111,9 +123,12 @@ class CentralEngine(RolloutEngine):
         self.weight_version = version
 
     def release_memory(self) -> None:
-        """Colocated: the server frees its GPU memory before the trainer's update (collective:
-        nobody allocates before rank 0 has heard back)."""
+        """Colocated, before the trainer's update: the server stops generating, then frees its
+        GPU memory (SGLang asserts an idle server unless paused, and a paused server runs no
+        forward — not even ``/health``'s — on the released memory). Collective: nobody
+        allocates before rank 0 has heard back."""
         if self.inner is not None:
+            self.inner.pause_generation()
             self.inner.release_memory()
             self._released = True
         barrier(self.objects, "the trainer ranks sharing the server's GPUs wait for the release")
@@ -126,23 +141,26 @@ class CentralEngine(RolloutEngine):
         fp8: bool = False,
         bucket_bytes: int = COLOCATED_BUCKET_BYTES,
     ) -> None:
-        """Colocated CUDA-IPC push (collective). Each bucket is built with tensor collectives on
-        trainer ranks 0…T−1, which share the GPUs of server ranks 0…T−1
-        (:func:`~megatron_p3o.weight_sync.colocated.iter_colocated_buckets`: no rank ever holds
-        the whole model); each serializes its copy, and rank 0 sends payload r to server rank r
-        inside one weight-update session, with the server's weights resumed before and every
-        other region it released (KV cache, CUDA graphs) after. ``fp8``: block-FP8 weights plus
-        scales (:func:`~megatron_p3o.weight_sync.fp8.quantize_named`)."""
+        """Colocated CUDA-IPC push (collective). Each bucket is built on trainer ranks 0…T−1,
+        which share the GPUs of server ranks 0…T−1, by the plan made once per run
+        (:class:`~megatron_p3o.weight_sync.colocated.ColocatedPlan`: no rank ever holds the
+        whole model, one broadcast per bucket); each serializes its copy, and rank 0 sends
+        payload r to server rank r. On the server, in this order: (pause, if the server was not
+        released) → resume weights → begin → the buckets → end → resume the KV cache and CUDA
+        graphs → continue. Before each resume every rank returns PyTorch's cached blocks to the
+        driver (the training step's activations and logits, then the push's buffers): SGLang
+        resumes into fresh physical memory. ``fp8``: block-FP8 weights plus scales
+        (:func:`~megatron_p3o.weight_sync.fp8.quantize_named`)."""
         from megatron_p3o.rollout.sglang.protocol import (
             RESUME_AFTER_PUSH,
             RESUME_BEFORE_PUSH,
             with_last,
         )
-        from megatron_p3o.weight_sync.colocated import iter_colocated_buckets
         from megatron_p3o.weight_sync.ipc import payload_ranks, serialize_named_tensors
 
         g = self.groups
         ranks = payload_ranks(server_tp, g.world_size)
+        plan = self._colocated_plan(weights, ranks, bucket_bytes)
         transform = None
         if fp8:
             from megatron_p3o.weight_sync.fp8 import quantize_named
@@ -150,27 +168,42 @@ class CentralEngine(RolloutEngine):
             def transform(named):
                 return list(quantize_named(named))
 
-        released = self._released
-        buckets = iter_colocated_buckets(weights, self.objects, ranks, bucket_bytes, transform)
-        with ExitStack() as stack:
-            if self.inner is not None:
-                if released:
-                    self.inner.resume_memory(list(RESUME_BEFORE_PUSH))
-                stack.enter_context(self.inner.sessions())
-            for bucket, last in with_last(buckets):
-                blob = serialize_named_tensors(bucket) if bucket is not None else None
-                blobs = gather_objects(blob, 0, self.objects, "every server TP rank's payload "
-                                       "to rank 0, which posts them")  # fmt: skip
-                if self.inner is not None:
-                    self.inner.push_ipc([blobs[r] for r in ranks], version, last)
-                barrier(
-                    self.objects, "the handles' tensors stay alive until the server loaded them"
-                )
-                del bucket, blob
-        if released:
-            self.inner.resume_memory(list(RESUME_AFTER_PUSH))
-            self._released = False
+        released, inner = self._released, self.inner
+        if inner is not None and not released:
+            inner.pause_generation()  # a push into a server that was generating
+        return_cached_memory(self.objects, "the step's activations and logits go back to the "
+                             "driver before the server takes its weights back")  # fmt: skip
+        if inner is not None:
+            if released:
+                inner.resume_memory(list(RESUME_BEFORE_PUSH))
+            inner.begin_weight_update()
+        for bucket, last in with_last(plan.buckets(weights, transform)):
+            blob = serialize_named_tensors(bucket) if bucket is not None else None
+            blobs = gather_objects(blob, 0, self.objects, "every server TP rank's payload "
+                                   "to rank 0, which posts them")  # fmt: skip
+            if inner is not None:
+                inner.push_ipc([blobs[r] for r in ranks], version, last)
+            barrier(self.objects, "the handles' tensors stay alive until the server loaded them")
+            del bucket, blob
+        if inner is not None:
+            inner.end_weight_update()
+        return_cached_memory(self.objects, "the push's buffers go back to the driver before "
+                             "the server takes its KV cache back")  # fmt: skip
+        if inner is not None:
+            if released:
+                inner.resume_memory(list(RESUME_AFTER_PUSH))
+            inner.continue_generation()
+        self._released = False
         self.weight_version = version
+
+    def _colocated_plan(self, weights, receivers, bucket_bytes: int):
+        """The colocated push's plan, made on the first push (collective) and kept."""
+        from megatron_p3o.weight_sync.colocated import ColocatedPlan
+
+        key = (tuple(receivers), bucket_bytes)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, ColocatedPlan.build(weights, self.objects, receivers, bucket_bytes))
+        return self._plan[1]
 
     def _push_from_disk(self, buckets: Iterable[Bucket], version: int) -> None:
         """Write an HF safetensors directory (atomically) and ask the server to load it."""

@@ -11,8 +11,10 @@ reason on every rank before it enters the collective (``tests/unit/test_layout.p
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import pickle
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -118,13 +120,49 @@ def recv(buf: torch.Tensor, src: int, group, why: str) -> torch.Tensor:
     return buf
 
 
+def _object_device(group) -> torch.device:
+    """Where an object's bytes travel: the current GPU for NCCL, else the host."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def send_objects(objs: list, dst: int, group, why: str) -> None:
+    """``objs`` (picklable) to global rank ``dst``: their byte count, then the bytes."""
     _trace("send_objects", group, why)
-    dist.send_object_list(objs, dst=dst, group=group)
+    data = torch.frombuffer(bytearray(pickle.dumps(objs)), dtype=torch.uint8)
+    dev = _object_device(group)
+    dist.send(torch.tensor([data.numel()], dtype=torch.long, device=dev), dst=dst, group=group)
+    dist.send(data.to(dev), dst=dst, group=group)
 
 
-def recv_objects(objs: list, src: int, group, why: str) -> list:
-    """In place: ``objs`` filled with what global rank ``src`` sent."""
+def recv_objects(objs: list, src: int, group, why: str, timeout_s: Optional[float] = None) -> list:
+    """In place: ``objs`` filled with what global rank ``src`` sent (:func:`send_objects`).
+
+    ``timeout_s``: how long to wait for the announcement before an error that names ``src``
+    and ``why`` (gloo; an NCCL wait is bounded by NCCL's own watchdog)."""
     _trace("recv_objects", group, why)
-    dist.recv_object_list(objs, src=src, group=group)
+    dev = _object_device(group)
+    size = torch.zeros(1, dtype=torch.long, device=dev)
+    work = dist.irecv(size, src=src, group=group)
+    if timeout_s is not None and dev.type == "cpu":
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if "imed out" not in str(e) and "imeout" not in str(e):
+                raise
+            raise CollectiveTimeout(
+                f"rank {dist.get_rank()}: no message from global rank {src} within "
+                f"{timeout_s:g} s ({why})"
+            ) from None
+    else:
+        work.wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.recv(data, src=src, group=group)
+    got = pickle.loads(data.cpu().numpy().tobytes())
+    objs[: len(got)] = got
     return objs
+
+
+class CollectiveTimeout(RuntimeError):
+    """A bounded wait ran out: the message names the rank that did not answer."""

@@ -233,6 +233,7 @@ class ParallelGroups:
     backend: str = "gloo"
     ep: Optional[dist.ProcessGroup] = None  # expert-parallel group (MoE layers)
     expt_tp: Optional[dist.ProcessGroup] = None  # tensor parallelism inside each expert
+    expt_dp: Optional[dist.ProcessGroup] = None  # the replicas of one expert shard
 
     @property
     def world(self) -> dist.ProcessGroup:
@@ -247,6 +248,23 @@ class ParallelGroups:
     @property
     def tp_rank(self) -> int:
         return dist.get_rank(self.tp)
+
+    @property
+    def expt_tp_rank(self) -> int:
+        """Rank inside the expert-TP group (the dense ``tp_rank`` need not be it: at TP 2, EP 2,
+        expert-TP 1 the two TP ranks hold different experts, each whole)."""
+        return dist.get_rank(self.expt_tp) if self.expt_tp is not None else 0
+
+    @property
+    def expt_dp_rank(self) -> int:
+        """Which replica of this rank's expert shard it holds (0: the one a push reads)."""
+        return dist.get_rank(self.expt_dp) if self.expt_dp is not None else 0
+
+    @property
+    def owns_experts(self) -> bool:
+        """This rank speaks for its experts in a weight push: expert-TP rank 0 of the first
+        expert-data-parallel replica (one rank per EP rank and pipeline stage)."""
+        return self.expt_tp_rank == 0 and self.expt_dp_rank == 0
 
     @property
     def pp_rank(self) -> int:
@@ -382,6 +400,7 @@ def initialize(layout: Layout, seed: int = 1234, backend: Optional[str] = None) 
         backend=dist.get_backend(),
         ep=pgc.ep,
         expt_tp=pgc.expt_tp,
+        expt_dp=pgc.expt_dp,
     )
 
 

@@ -10,7 +10,7 @@ the same table the checkpoint converters use.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Literal, Sequence, Tuple
 
 import torch
 
@@ -55,16 +55,15 @@ def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> to
     return torch.cat(parts, tm.tp_dim)
 
 
-def iter_hf_tensors(
-    chunks: Sequence[torch.nn.Module], groups: ParallelGroups, desc: ModelDescription
-) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for the parameters this pipeline stage holds.
+Part = Literal["all", "dense", "experts"]
 
-    Every TP rank of the stage must iterate (the gathers are collectives); every rank then
-    holds the same full tensors. Tied output layers are skipped (the embedding is exported).
-    Under expert parallelism a rank yields only its own experts (global expert numbers; see
-    :func:`is_expert`).
-    """
+
+def _stage_params(
+    chunks: Sequence[torch.nn.Module], groups: ParallelGroups, desc: ModelDescription, part: Part
+) -> Iterator[Tuple[TensorMap, torch.nn.Parameter]]:
+    """(table entry, live parameter) of this pipeline stage, in export order; ``part``: every
+    parameter, the dense ones (TP-sharded, held by every DP replica) or the routed experts'
+    (expert-TP-sharded, held by one EP rank's expert-data-parallel replicas)."""
     by_name: Dict[str, TensorMap] = {tm.mcore: tm for tm in tensor_maps(desc)}
     first_expert = groups.ep_rank * (desc.num_experts // groups.layout.ep) if desc.is_moe else 0
     for chunk in chunks:
@@ -84,8 +83,45 @@ def iter_hf_tensors(
             tm = by_name.get(name)
             if tm is None:
                 raise KeyError(f"parameter {name} has no HF mapping for {desc.architecture}")
-            full = _gather_tp(param, tm, groups)
-            yield from to_hf(tm, full, desc).items()
+            if part == "all" or (part == "experts") == (tm.expert is not None):
+                yield tm, param
+
+
+def iter_hf_tensors(
+    chunks: Sequence[torch.nn.Module],
+    groups: ParallelGroups,
+    desc: ModelDescription,
+    part: Part = "all",
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the parameters this pipeline stage holds.
+
+    Every TP rank of the stage must iterate (the gathers are collectives: over the TP group for
+    dense parameters, over the expert-TP group for routed experts); every rank then holds the
+    same full tensors. Tied output layers are skipped (the embedding is exported). Under expert
+    parallelism a rank yields only its own experts (global expert numbers; see
+    :func:`is_expert`).
+    """
+    for tm, param in _stage_params(chunks, groups, desc, part):
+        full = _gather_tp(param, tm, groups)
+        yield from to_hf(tm, full, desc).items()
+
+
+def hf_layout(
+    chunks: Sequence[torch.nn.Module],
+    groups: ParallelGroups,
+    desc: ModelDescription,
+    part: Part = "all",
+) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    """(HF name, shape, dtype) of what :func:`iter_hf_tensors` yields here, in its order,
+    without a collective or a copy (meta tensors through the same mapping)."""
+    out = []
+    for tm, param in _stage_params(chunks, groups, desc, part):
+        shape = list(param.shape)
+        if tm.tp_dim is not None:
+            shape[tm.tp_dim] *= groups.layout.etp if tm.expert is not None else groups.layout.tp
+        meta = torch.empty(shape, dtype=param.dtype, device="meta")
+        out += [(n, tuple(t.shape), t.dtype) for n, t in to_hf(tm, meta, desc).items()]
+    return out
 
 
 def is_expert(hf_name: str) -> bool:

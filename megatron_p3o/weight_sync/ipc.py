@@ -56,7 +56,8 @@ class _Pickler(ForkingPickler):
 def serialize_named_tensors(named: Sequence[Tuple[str, torch.Tensor]]) -> str:
     """One payload: the base64 text of the pickled ``[(name, tensor), ...]``: CUDA-IPC handles
     for CUDA tensors (they must stay alive until the server has loaded them), the data for CPU
-    tensors."""
+    tensors. One call per receiving server rank, never one payload for several: torch counts one
+    IPC reference per serialization, and each process that opens the handles gives one back."""
     import pickle
 
     import torch.multiprocessing.reductions  # noqa: F401 - registers torch's reducers

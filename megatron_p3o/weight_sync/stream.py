@@ -12,8 +12,9 @@ stage 0: on NCCL their sends do not block, and their TP peers queued every TP al
 stage meanwhile (the gathers now also wait for each other on the host,
 :func:`.export._gather_tp`). Other DP/CP replicas hold the same weights and take no part —
 except under expert parallelism, where the first replica holds only its share of the experts:
-the other expert-parallel ranks of its EP groups send theirs to it (TP rank 0 to TP rank 0), and it
-forwards them like its own.
+each EP rank's owner (expert-TP rank 0 of the first expert-data-parallel replica, which is not
+always a dense TP rank 0) sends its experts to its EP group's rank 0, the stage's sender, after
+the dense pass, and the sender forwards them like its own.
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ import torch.distributed as dist
 
 from megatron_p3o.model.description import ModelDescription
 from megatron_p3o.runtime.collectives import (
-    all_gather_objects,
     recv,
     recv_objects,
     send,
     send_objects,
 )
 from megatron_p3o.runtime.parallel import ParallelGroups
-from megatron_p3o.weight_sync.export import is_expert, iter_hf_tensors
+from megatron_p3o.weight_sync.export import iter_hf_tensors
 
 STREAM_BUCKET_BYTES = 256 * 2**20  # a later stage's bytes per request of rank 0
+EXPERT_WAIT_S = 600.0  # a stage's sender waits this long for an EP rank's next expert (gloo)
 _NEXT, _END = "next", None
 
 
@@ -43,35 +44,58 @@ def iter_hf_tensors_to_rank0(
     groups: ParallelGroups,
     desc: ModelDescription,
     bucket_bytes: int = STREAM_BUCKET_BYTES,
+    wait_s: float = EXPERT_WAIT_S,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """On global rank 0: every (HF name, full tensor) of the model. Elsewhere: nothing (but every
-    rank of the first DP/CP replica must iterate it: the TP gathers and sends are collectives)."""
+    rank that holds a part must iterate it: the TP gathers and sends are collectives).
+
+    Two passes per stage. The dense parameters: the first DP/CP replica's TP group gathers them,
+    its TP rank 0 (the stage's sender) forwards them. The routed experts: the first expert-data-
+    parallel replica's expert-TP groups gather them, and each EP rank's owner (expert-TP rank 0:
+    :attr:`ParallelGroups.owns_experts`; *not* the dense TP rank 0 — at TP 2, EP 2, expert-TP 1
+    the dense TP rank 1 holds experts E/2…E−1) sends them to its EP group's rank 0, the stage's
+    sender. ``wait_s``: how long the sender waits for an EP rank's next expert before it stops
+    with an error that names the rank (gloo; NCCL's own watchdog elsewhere)."""
     g = groups
     first = g.dp_rank == 0 and g.cp_rank == 0
-    ep_peer = _ep_peer_of_first_replica(g) if g.layout.ep_enabled else False
-    if ep_peer:  # another EP rank of a first-replica rank: send it this rank's experts
-        dst = dist.get_global_rank(g.ep, 0)
-        for name, t in iter_hf_tensors(chunks, g, desc):
-            if g.tp_rank == 0 and is_expert(name):
-                _send(name, t, dst, g.ep)  # EP group: this rank's experts, to the first replica
-        if g.tp_rank == 0:
-            send_objects([None], dst, g.ep, "end of this rank's experts")
+    moe = desc.is_moe
+    expert_walker = moe and g.expt_dp_rank == 0  # its expert-TP group gathers the experts
+    sender = first and g.tp_rank == 0  # the stage's sender is EP rank 0 of its EP group
+    if sender and moe and g.ep_rank != 0:
+        raise RuntimeError(f"rank {g.rank}: a stage's sender at EP rank {g.ep_rank} (expected 0)")
+    if not sender:
+        if first:  # a TP peer of a sender: its dense gathers pace themselves on the sender's
+            for _ in iter_hf_tensors(chunks, g, desc, part="dense"):
+                pass
+        if expert_walker:
+            experts = iter_hf_tensors(chunks, g, desc, part="experts")
+            if g.owns_experts:  # EP rank > 0: its experts, to the stage's sender
+                _send_all(experts, dist.get_global_rank(g.ep, 0), g.ep)
+            else:
+                for _ in experts:
+                    pass
         return
-    if not first:
-        return
-    sender = g.tp_rank == 0
+    tensors = _stage_tensors(chunks, g, desc, wait_s)
     if g.pp_rank == 0:
-        for name, t in _with_ep_peers(iter_hf_tensors(chunks, g, desc), g):
+        for name, t in tensors:
             if g.rank == 0:
                 yield name, t
-    elif sender:
-        _serve_stage(_with_ep_peers(iter_hf_tensors(chunks, g, desc), g), g, bucket_bytes)
-    else:  # a TP peer of a later stage: its gathers pace themselves on the sender's
-        for _ in iter_hf_tensors(chunks, g, desc):
-            pass
+    else:
+        _serve_stage(tensors, g, bucket_bytes)
     if g.rank == 0:
         for stage in range(1, g.layout.pp):
             yield from _pull_stage(dist.get_global_rank(g.pp, stage), g.pp)
+
+
+def _stage_tensors(chunks, g: ParallelGroups, desc: ModelDescription, wait_s: float):
+    """A stage's sender: its dense tensors, its own experts, then (EP) each EP rank's experts."""
+    yield from iter_hf_tensors(chunks, g, desc, part="dense")
+    if not desc.is_moe:
+        return
+    yield from iter_hf_tensors(chunks, g, desc, part="experts")
+    for peer in range(1, g.layout.ep):
+        # EP group: the experts this rank lacks, from the rank of the group that owns them
+        yield from _receive(dist.get_global_rank(g.ep, peer), g.ep, wait_s)
 
 
 def _serve_stage(tensors, g: ParallelGroups, bucket_bytes: int) -> None:
@@ -121,11 +145,19 @@ def _send(name: str, t: torch.Tensor, dst: int, group) -> None:
     send(t.contiguous(), dst, group, "the tensor itself")
 
 
-def _receive(src: int, group) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Tensors from ``src`` (name and shape first) until its end marker."""
+def _send_all(tensors, dst: int, group) -> None:
+    for name, t in tensors:
+        _send(name, t, dst, group)  # EP group: this rank's experts, to the stage's sender
+    send_objects([None], dst, group, "end of this rank's experts")
+
+
+def _receive(src: int, group, wait_s: float = EXPERT_WAIT_S) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Tensors from ``src`` (name and shape first) until its end marker; an error naming
+    ``src`` if no announcement comes within ``wait_s``."""
     while True:
         meta = [None]
-        recv_objects(meta, src, group, "the next tensor's name and shape (None: the end)")
+        why = f"the next expert tensor's name and shape from global rank {src} (None: the end)"
+        recv_objects(meta, src, group, why, timeout_s=wait_s)
         if meta[0] is None:
             return
         name, shape, dtype = meta[0]
@@ -133,23 +165,3 @@ def _receive(src: int, group) -> Iterator[Tuple[str, torch.Tensor]]:
         buf = torch.empty(shape, dtype=dtype, device=dev)
         recv(buf, src, group, "the tensor itself")
         yield name, buf
-
-
-def _ep_peer_of_first_replica(g: ParallelGroups) -> bool:
-    """This rank is a non-zero EP rank whose EP group's rank 0 is in the first DP/CP replica
-    (all ranks call this: one object gather over the EP group)."""
-    flags = all_gather_objects(
-        g.dp_rank == 0 and g.cp_rank == 0,
-        g.ep,
-        "which EP members belong to the first replica (it pushes)",
-    )
-    return g.ep_rank != 0 and bool(flags[0])
-
-
-def _with_ep_peers(tensors, g: ParallelGroups):
-    """A first-replica rank's tensors, then (TP rank 0) its EP peers' experts."""
-    yield from tensors
-    if g.layout.ep_enabled and g.tp_rank == 0 and g.ep_rank == 0:
-        for peer in range(1, g.layout.ep):
-            # EP group: the experts this replica lacks, from the rank that holds them.
-            yield from _receive(dist.get_global_rank(g.ep, peer), g.ep)

@@ -85,38 +85,46 @@ def engine_vs_trainer(
     return report
 
 
-def colocated_push(
-    groups, url: str, server_tp: int, family: str = "llama", bucket_bytes: int = 16 * 1024
-):
-    """The colocated round trip of one trainer step through the real collective code: the
-    server frees its memory before the update, then trainer ranks 0…T−1 (which share server
-    ranks' GPUs) build each bucket with tensor collectives and serialize it, and rank 0 posts
-    the payloads. ``TrainerWeights.full`` (the whole model on every rank) must not be called.
-    Returns (version, the full model as the old path gathered it (rank 0), the largest bucket
-    any rank built, in bytes)."""
-    from unittest import mock
-
-    from megatron_p3o.rollout.central import CentralEngine
-    from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
-    from megatron_p3o.runtime.parallel import new_object_group
-    from megatron_p3o.weight_sync import colocated
-    from megatron_p3o.weight_sync.source import TrainerWeights
-
+def _perturbed(groups, family):
     desc = desc_of(family)
     chunks = build_model(desc, groups, BuildOptions(seq_length=SEQ))
     with torch.no_grad():
         g = torch.Generator().manual_seed(groups.rank)  # ranks differ: each must send its own
         for p in chunks[0].parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return desc, chunks
+
+
+def colocated_push(
+    groups, url: str, server_tp: int, family: str = "llama", bucket_bytes: int = 16 * 1024
+):
+    """The colocated round trip of two trainer steps through the real collective code: the
+    server frees its memory before the update, then trainer ranks 0…T−1 (which share server
+    ranks' GPUs) receive each bucket from the rank that holds it and serialize it, and rank 0
+    posts the payloads. ``TrainerWeights.full`` (the whole model on every rank) must not be
+    called. Returns (version, the full model as the all-gather path makes it (rank 0), the
+    largest bucket any rank built in bytes, the collective calls of the second push by kind)."""
+    from collections import Counter
+    from unittest import mock
+
+    from megatron_p3o.rollout import central
+    from megatron_p3o.rollout.central import CentralEngine
+    from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine, SGLangFleet
+    from megatron_p3o.runtime.parallel import new_object_group
+    from megatron_p3o.weight_sync import colocated
+    from megatron_p3o.weight_sync.source import TrainerWeights
+
+    desc, chunks = _perturbed(groups, family)
     weights = TrainerWeights(chunks, groups, desc)
-    reference = {n: t.clone() for n, t in weights.full()}  # the old path, for comparison only
+    reference = {n: t.clone() for n, t in weights.full()}  # the all-gather path, to compare
     inner = None
     if groups.rank == 0:
         srv = SGLangEngine(SGLangConfig(url=url, tp_size=server_tp, startup_timeout_s=10))
         inner = SGLangFleet(srv, [srv]).start()
     eng = CentralEngine(inner, groups, new_object_group(), "colocated")
     largest = [0]
-    real = colocated.iter_colocated_buckets
+    real = colocated.ColocatedPlan.buckets
+    calls: Counter = Counter()
 
     def counted(*a, **k):
         for b in real(*a, **k):
@@ -124,16 +132,77 @@ def colocated_push(
                 largest[0] = max(largest[0], sum(t.numel() * t.element_size() for _, t in b))
             yield b
 
+    def counting(module, name):
+        fn = getattr(module, name)
+
+        def call(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return mock.patch.object(module, name, call)
+
     def whole_model(self):
         raise AssertionError("a colocated push gathered the whole model on a rank")
 
-    eng.release_memory()
     with (
         mock.patch.object(TrainerWeights, "full", whole_model),
-        mock.patch.object(colocated, "iter_colocated_buckets", counted),
+        mock.patch.object(colocated.ColocatedPlan, "buckets", counted),
     ):
-        eng.update_weights_colocated(weights, 4, server_tp, bucket_bytes=bucket_bytes)
-    return eng.weight_version, reference if groups.rank == 0 else None, largest[0]
+        for version in (3, 4):  # the second push runs on the plan the first one made
+            calls.clear()
+            eng.release_memory()
+            with (
+                counting(colocated, "broadcast"),
+                counting(colocated, "all_gather_objects"),
+                counting(central, "gather_objects"),
+                counting(central, "barrier"),
+            ):
+                eng.update_weights_colocated(weights, version, server_tp, bucket_bytes=bucket_bytes)
+    plan = eng._plan[1]
+    stats = {"calls": dict(calls), "rounds": plan.rounds, "tensors": len(reference),
+             "buckets": sum(len(s.buckets) for s in plan.segments)}  # fmt: skip
+    return eng.weight_version, reference if groups.rank == 0 else None, largest[0], stats
+
+
+def stream_push(groups, family: str = "qwen3moe", bucket_bytes: int = 4 * 1024):
+    """The push to rank 0 (the gloo group, tensor payloads and disk pushes all stream to it):
+    every (name, tensor) rank 0 receives, and the model as the all-gather path makes it."""
+    from megatron_p3o.weight_sync.source import TrainerWeights
+
+    desc, chunks = _perturbed(groups, family)
+    weights = TrainerWeights(chunks, groups, desc)
+    got = [(n, t.clone()) for n, t in weights.to_rank0(bucket_bytes)]
+    full = {n: t.clone() for n, t in weights.full()}
+    return {"rank": groups.rank, "got": got, "full": full if groups.rank == 0 else None}
+
+
+def stream_missing_peer(groups, family: str = "qwen3moe", wait_s: float = 2.0):
+    """An EP rank that never sends its experts (it is told it owns none): the stage's sender
+    stops after ``wait_s`` with an error that names the rank, instead of waiting forever.
+    Returns the error on the sender."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from megatron_p3o.runtime.collectives import CollectiveTimeout
+    from megatron_p3o.runtime.parallel import ParallelGroups
+    from megatron_p3o.weight_sync.stream import iter_hf_tensors_to_rank0
+
+    desc, chunks = _perturbed(groups, family)
+    silent = groups.ep_rank != 0  # the fault: the EP ranks > 0 think they own no experts
+    err = None
+    with mock.patch.object(
+        ParallelGroups, "owns_experts", property(lambda g: not silent and g.expt_tp_rank == 0)
+    ):
+        try:
+            for _ in iter_hf_tensors_to_rank0(chunks, groups, desc, wait_s=wait_s):
+                pass
+        except CollectiveTimeout as e:
+            err = str(e)
+    # world: the sender has given up (gloo closed its EP pair on the timeout: that group is
+    # dropped with the layout; the world group is intact)
+    dist.barrier()
+    return {"rank": groups.rank, "error": err}
 
 
 def _async_sends(pending: list):

@@ -23,6 +23,22 @@ def test_engine_logprobs_match_trainer_after_weight_sync(pools, record_property)
     print({k: v for k, v in rep.items()})
 
 
+# TP 2, EP 2, expert-TP 1: the dense TP rank 1 holds experts E/2…E−1 whole (issue 52, item 3)
+EP_ETP1 = Layout(tp=2, ep=2, etp=1, sequence_parallel=True)
+
+
+def _experts_complete(names, family="qwen3moe"):
+    """Every routed expert of every layer is among ``names`` (the reference is complete)."""
+    from megatron_p3o.model.hf.mapping import parse_moe_hf_name
+
+    from .bodies import desc_of
+
+    d = desc_of(family)
+    seen = {parse_moe_hf_name(n)[:2] for n in names if parse_moe_hf_name(n) is not None}
+    want = {(la, e) for la in range(d.num_layers) for e in range(d.num_experts)}
+    return want <= seen
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world,layout,family,server_tp",
@@ -31,23 +47,29 @@ def test_engine_logprobs_match_trainer_after_weight_sync(pools, record_property)
         (2, Layout(pp=2), "llama", 2),
         (2, Layout(tp=2), "llama", 1),
         (2, Layout(ep=2), "qwen3moe", 2),
+        (2, EP_ETP1, "qwen3moe", 2),
+        (2, EP_ETP1, "qwen3moe", 1),
+        (4, EP_ETP1, "qwen3moe", 2),
     ],
-    ids=["w1", "pp2", "tp2-server-tp1", "ep2"],
-)
+    ids=["w1", "pp2", "tp2-server-tp1", "ep2", "tp2-ep2-etp1", "tp2-ep2-etp1-server-tp1",
+         "tp2-ep2-etp1-dp2"],
+)  # fmt: skip
 def test_colocated_push_round_trip(pools, world, layout, family, server_tp):
-    """Order on the server: release → resume weights → pause → begin → one IPC push per bucket
-    (one payload per server TP rank, cache flush and version on the last) → end → continue →
-    resume every other region released. Every payload r holds, over the buckets, the whole
-    model exactly as the old all-gather made it; no rank held more than a bucket (plus one
-    step's tensors) at a time, and none called ``TrainerWeights.full`` (issue 42, item 2); the
-    regions resumed are the ones released, as the pinned release reads the bodies (item 1)."""
+    """Order on the server (issue 52, item 6): pause → release → resume weights → begin → one
+    IPC push per bucket (one payload per server TP rank, cache flush and version on the last)
+    → end → resume every other region released → continue. Every payload r holds, over the
+    buckets, the whole model exactly as the all-gather path makes it (every expert: item 3); no
+    rank held more than a bucket (plus one tensor) at a time, and none called
+    ``TrainerWeights.full`` (issue 42, item 2); the regions resumed are the ones released, as
+    the pinned release reads the bodies. The second push takes one broadcast per bucket and a
+    fixed number of world-wide rounds per bucket, not two per tensor (item 8)."""
     import base64
     import pickle
 
     from ..sglang_standin import SGLangStandIn
     from ..unit.test_sglang_protocol import released_tags, wheel_memory_tags
 
-    bucket = 16 * 1024
+    bucket = 64 * 1024
     srv = SGLangStandIn(lambda body: ([1], [-0.1], "stop"))
     try:
         out = pools(world).run(
@@ -56,15 +78,19 @@ def test_colocated_push_round_trip(pools, world, layout, family, server_tp):
         )  # fmt: skip
     finally:
         srv.close()
-    assert [v for v, _, _ in out] == [4] * world
+    assert [o[0] for o in out] == [4] * world
     reference = out[0][1]
-    pushes = [b for p, b in srv.routes if p == "/update_weights_from_tensor"]
-    assert srv.paths() == [
-        "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
+    if family == "qwen3moe":
+        assert _experts_complete(reference)
+    paths = srv.paths()
+    second = len(paths) - 1 - paths[::-1].index("/pause_generation")
+    pushes = [b for p, b in srv.routes[second:] if p == "/update_weights_from_tensor"]
+    assert paths[second:] == [
+        "/pause_generation", "/release_memory_occupation", "/resume_memory_occupation",
         "/begin_weight_update", *["/update_weights_from_tensor"] * len(pushes),
-        "/end_weight_update", "/continue_generation", "/resume_memory_occupation",
+        "/end_weight_update", "/resume_memory_occupation", "/continue_generation",
     ]  # fmt: skip
-    bodies = [b for p, b in srv.routes if "memory_occupation" in p]
+    bodies = [b for p, b in srv.routes[second:] if "memory_occupation" in p]
     released = released_tags(bodies[0])
     resumed = [released_tags(b) for b in bodies[1:]]
     assert released == set(wheel_memory_tags()) == resumed[0] | resumed[1], (released, resumed)
@@ -81,8 +107,46 @@ def test_colocated_push_round_trip(pools, world, layout, family, server_tp):
         assert sorted(got) == sorted(reference)
         for name, t in reference.items():
             assert torch.equal(got[name], t), name
-    step = max(t.numel() * t.element_size() for t in reference.values()) * 2 * world
-    assert max(x for _, _, x in out) <= bucket + step
+    largest = max(t.numel() * t.element_size() for t in reference.values())
+    assert max(o[2] for o in out) <= bucket + largest
+    stats = out[0][3]
+    n_buckets, n_tensors = stats["buckets"], stats["tensors"]
+    assert len(pushes) == n_buckets < n_tensors / 2, (len(pushes), n_buckets, n_tensors)
+    for o in out:  # the second push: no table exchange, a broadcast per bucket at most
+        calls = o[3]["calls"]
+        assert calls.get("all_gather_objects", 0) == 0, calls
+        assert calls.get("broadcast", 0) <= n_buckets, calls
+        assert calls["gather_objects"] == n_buckets and calls["barrier"] == n_buckets + 2, calls
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world,layout", [(2, EP_ETP1), (4, EP_ETP1), (2, Layout(ep=2))],
+    ids=["tp2-ep2-etp1", "tp2-ep2-etp1-dp2", "ep2"],
+)  # fmt: skip
+def test_the_stream_to_rank0_carries_every_expert(pools, world, layout):
+    """Issue 52, item 3: the push to rank 0 (gloo group, tensor payloads, disk) where the dense
+    TP rank 1 holds half the experts whole: rank 0 gets every tensor of the model once, equal
+    bit for bit to the all-gather path's; it used to wait forever for rank 1's experts."""
+    out = pools(world).run(engine_bodies.stream_push, layout)
+    rank0 = next(o for o in out if o["rank"] == 0)
+    names = [n for n, _ in rank0["got"]]
+    assert len(names) == len(set(names)) and set(names) == set(rank0["full"])
+    assert _experts_complete(names)
+    for name, t in rank0["got"]:
+        assert torch.equal(t, rank0["full"][name]), name
+    assert all(o["got"] == [] for o in out if o["rank"] != 0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4], ids=["w2", "w4"])
+def test_a_silent_expert_rank_is_named_not_waited_for(pools, world):
+    """The bounded wait: an EP rank that never sends its experts stops the stream's sender
+    within the wait with an error naming that rank (global rank 1 here), never a hang."""
+    out = pools(world).run(engine_bodies.stream_missing_peer, EP_ETP1, wait_s=2.0)
+    err = next(o for o in out if o["rank"] == 0)["error"]
+    assert err is not None and "global rank 1 within 2 s" in err, err
+    assert all(o["error"] is None for o in out if o["rank"] != 0)
 
 
 @pytest.mark.distributed

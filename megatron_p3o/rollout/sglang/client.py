@@ -9,6 +9,13 @@ relaunched (at most ``max_restarts`` times, one relaunch however many requests s
 reloaded from the last disk push; after a push that came over a process group or as tensors it
 cannot be reloaded from here, and the run stops with a clear error: samples are never tagged with
 a version the server does not hold.
+
+A server the trainer attaches to (``rollout.sglang.url``, ``rollout.sglang_workers``) is taken
+as it is found: a weight-update session a killed trainer left open is closed and generation
+continued (:meth:`SGLangEngine.close_stale_session`), and its tensor-parallel size comes from the
+server (``GET /server_info``), not the recipe (:meth:`SGLangEngine.adopt_layout`). Answers are
+any JSON (SGLang answers the memory routes with ``null``); only a ``success: false`` object is a
+failure.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -39,6 +46,7 @@ from megatron_p3o.rollout.sglang.launch import (
     server_env,
 )
 from megatron_p3o.rollout.sglang.protocol import (
+    NO_SESSION_OPEN,
     EngineResponseError,
     EngineUnavailableError,
     batch_payload,
@@ -150,13 +158,16 @@ class SGLangEngine(RolloutEngine):
             self.server.stop()
         self.server = self.process = None
 
-    def wait_healthy(self, timeout_s: float, path: str = "/health", ready=None) -> None:
-        """Until ``path`` answers (and ``ready(response)`` holds, when given); fails at once if
-        the watched process exits, naming its last log lines. An attached server (no process
-        of ours) that refuses the connection for :data:`REFUSED_GRACE_S` is an error naming
-        the URL: the user said it runs, and waiting the whole ``startup_timeout_s`` (15 min by
-        default) in silence looked like a hang. Meanwhile a note every :data:`NOTE_EVERY_S`
-        says what is awaited and for how long (rank 0)."""
+    def wait_healthy(
+        self, timeout_s: float, path: str = "/health", ready=None, any_status: bool = False
+    ) -> int:
+        """Until ``path`` answers 200 (and ``ready(response)`` holds, when given), or, with
+        ``any_status``, answers at all; returns the HTTP status. Fails at once if the watched
+        process exits, naming its last log lines. An attached server (no process of ours) that
+        refuses the connection for :data:`REFUSED_GRACE_S` is an error naming the URL: the user
+        said it runs, and waiting the whole ``startup_timeout_s`` (15 min by default) in silence
+        looked like a hang. Meanwhile a note every :data:`NOTE_EVERY_S` says what is awaited
+        and for how long (rank 0)."""
         start = time.monotonic()
         deadline, note_at = start + timeout_s, start + NOTE_EVERY_S
         last, refused_since = None, None
@@ -172,9 +183,11 @@ class SGLangEngine(RolloutEngine):
                 if ready is None or ready(last):
                     if p is not None:
                         p.forget_config()
-                    return
+                    return 200
                 refused_since = None
             except _NET_ERRORS as e:  # not up yet (or 503 until ready)
+                if any_status and isinstance(e, urllib.error.HTTPError):
+                    return e.code
                 last = e
                 why = unreachable(e) if p is None else None
                 refused_since = (refused_since or time.monotonic()) if why else None
@@ -226,12 +239,99 @@ class SGLangEngine(RolloutEngine):
 
     def served_version(self) -> str:
         """The ``weight_version`` the server itself reports (``/model_info``)."""
-        return str(self._request("GET", "/model_info", None, timeout=30)["weight_version"])
+        info = self._request("GET", "/model_info", None, timeout=30)
+        if not isinstance(info, dict) or "weight_version" not in info:
+            raise EngineResponseError(
+                f"SGLang {self.label} at {self.url}: /model_info has no weight_version: "
+                f"{str(info)[:200]}"
+            )
+        return str(info["weight_version"])
+
+    # -- attaching: a server this trainer did not launch, taken as it is found -----------------
+    def adopt_layout(self, transport: str) -> None:
+        """``tp_size`` from ``GET /server_info`` (the server's resolved arguments), not the
+        recipe: the weight-update group spans 1 + Σ tp_size ranks and a tensor push sends one
+        payload per TP rank, so a wrong recipe value left the group's rendezvous waiting for
+        ranks that never come. A recipe value that differs is replaced, in one line; a colocated
+        push refuses it instead (its payload ranks are trainer ranks 0…tp_size−1, which the
+        recipe places). Data- or pipeline-parallel servers are refused for every push but disk:
+        SGLang 0.5.23 joins the group as ``rank_offset + tp_rank`` (pipeline stages would share
+        ranks) and refuses data-parallel replicas there. A URL without ``/server_info`` (a
+        router) keeps the recipe's value."""
+        from megatron_p3o.rollout.sglang.launch import SGLangSetupError
+
+        code, info = self._get("/server_info")
+        keys = ("tp_size", "dp_size", "pp_size")
+        info = info if isinstance(info, dict) else {}
+        if not all(type(info.get(k)) is int for k in keys):
+            self._notice(f"no tp_size in GET /server_info (HTTP {code}); "
+                         f"rollout.sglang.tp_size={self.cfg.tp_size} stands")  # fmt: skip
+            return
+        tp, dp, pp = (info[k] for k in keys)
+        if (dp > 1 or pp > 1) and transport != "disk":
+            raise SGLangSetupError(
+                f"SGLang {self.label} at {self.url} serves dp_size={dp}, pp_size={pp} (GET "
+                f"/server_info): rollout.weight_sync={transport} pushes to one tensor-parallel "
+                "group per server; serve it with --dp-size 1 --pp-size 1, or use "
+                "rollout.weight_sync=disk"
+            )
+        if tp == self.cfg.tp_size:
+            return
+        if transport == "colocated":
+            raise SGLangSetupError(
+                f"rollout.sglang.tp_size={self.cfg.tp_size}, but SGLang {self.label} at "
+                f"{self.url} serves tp_size={tp} (GET /server_info): a colocated push builds "
+                "server rank r's payload on trainer rank r; set rollout.sglang.tp_size="
+                f"{tp}"
+            )
+        self._notice(f"serves tp_size={tp} (GET /server_info); rollout.sglang.tp_size="
+                     f"{self.cfg.tp_size} ignored for it")  # fmt: skip
+        self.cfg = replace(self.cfg, tp_size=tp)
+
+    def close_stale_session(self) -> None:
+        """Before waiting for ``/health``: only ``/end_weight_update`` closes a weight-update
+        session (SGLang 0.5.23), so one that a trainer killed inside a push left open turned
+        every later ``/begin_weight_update`` into a 400 ("a weight-update session is already
+        open"), and the pause before it held every ``/generate``, ``/health``'s own included
+        (it never became healthy). This client opens a session after ``/pause_generation`` and
+        continues only after closing it, so a server whose ``GET /ready`` answers 200 has none
+        of ours open (it answers 503 while paused, and while starting or unhealthy). One that
+        does not gets ``/end_weight_update`` (the answer that none is open is fine) and
+        ``/continue_generation`` (a no-op on a server that was not paused)."""
+        code = self.wait_healthy(self.cfg.startup_timeout_s, "/ready", any_status=True)
+        if code in (200, 404):  # ready, or no such route (a router): nothing of ours is open
+            return
+        try:
+            self.end_weight_update()
+            closed = "a weight-update session it left open closed, "
+        except EngineResponseError as e:
+            if NO_SESSION_OPEN not in str(e):
+                raise
+            closed = ""
+        self.continue_generation()
+        self._notice(f"not ready (GET /ready: HTTP {code}; paused by a previous trainer?); "
+                     f"{closed}generation continued")  # fmt: skip
+
+    def _get(self, path: str):
+        """``(HTTP status, answer)`` of ``GET path``; no answer at all is an error."""
+        try:
+            return 200, self._request("GET", path, None, timeout=30)
+        except urllib.error.HTTPError as e:
+            return e.code, None
+        except _NET_ERRORS as e:
+            raise EngineUnavailableError(
+                f"SGLang {self.label} at {self.url}: GET {path} failed: {e}"
+            ) from None
+
+    def _notice(self, message: str) -> None:
+        print(f"SGLang {self.label} at {self.url}: {message}", file=sys.stderr, flush=True)
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _request(
         self, method: str, path: str, body: Optional[dict], timeout: Optional[float] = None
     ):
+        """The answer's JSON, whatever it is (an object, a list, ``null``: SGLang's memory routes
+        return nothing); ``{}`` for an empty body, ``{"text": …}`` for one that is not JSON."""
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json"}
         if os.environ.get(API_KEY_ENV):
@@ -361,25 +461,39 @@ class SGLangEngine(RolloutEngine):
         return out
 
     # -- weights ------------------------------------------------------------------------------
-    def _post_checked(self, path: str, body: dict) -> dict:
-        """POST and refuse ``success: false`` (SGLang answers weight routes that way)."""
+    def _post_checked(self, path: str, body: dict):
+        """POST and refuse ``success: false`` (SGLang answers weight routes that way); any
+        other answer is success (``/release_memory_occupation`` answers ``null``)."""
         resp = self._post_with_recovery(path, body)
-        if resp.get("success", True) is False:
+        if isinstance(resp, dict) and resp.get("success", True) is False:
             raise EngineResponseError(f"SGLang {self.label} {path} failed: {resp.get('message')}")
         return resp
+
+    def pause_generation(self) -> None:
+        """Retract: in-flight requests wait, and resume under the new weights."""
+        self._post_checked("/pause_generation", {"mode": "retract"})
+
+    def begin_weight_update(self) -> None:
+        self._post_checked("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._post_checked("/end_weight_update", {})
+
+    def continue_generation(self) -> None:
+        self._post_checked("/continue_generation", {})
 
     @contextmanager
     def weight_update_session(self):
         """pause (retract) → begin → … → end → continue, for pushes of new weights."""
-        self._post_checked("/pause_generation", {"mode": "retract"})
+        self.pause_generation()
         try:
-            self._post_checked("/begin_weight_update", {})
+            self.begin_weight_update()
             try:
                 yield self
             finally:
-                self._post_checked("/end_weight_update", {})
+                self.end_weight_update()
         finally:
-            self._post_checked("/continue_generation", {})
+            self.continue_generation()
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
         """Inside a session like every push: with requests in flight (async rollouts) SGLang
@@ -407,6 +521,7 @@ class SGLangEngine(RolloutEngine):
         body = {"group_name": name}
         try:
             resp = self._request("POST", "/destroy_weights_update_group", body, timeout=30)
+            resp = resp if isinstance(resp, dict) else {}
             ok, msg = resp.get("success", True) is not False, resp.get("message", "")
         except urllib.error.HTTPError as e:  # 400: "The group to be destroyed does not exist."
             ok, msg = False, e.read().decode(errors="replace")[:300]

@@ -91,11 +91,18 @@ class SGLangFleet(RolloutEngine):
         return cls(engine, [engine], transport)
 
     def start(self) -> "SGLangFleet":
-        """Launch what is to be launched (all at once), then wait for every server."""
+        """Launch what is to be launched (all at once), then wait for every server. Attached
+        servers are taken as they are found: a session a killed trainer left open is closed
+        and generation continued before their health is awaited (a paused server never
+        passes ``/health``), and their TP size is read from them
+        (:meth:`.client.SGLangEngine.close_stale_session`, ``adopt_layout``)."""
+        attached = [w for w in self.workers if not w.launches]
         try:
             for w in self.workers:
                 if w.launches and w.server is None:
                     w.launch()
+            for w in attached:
+                w.close_stale_session()
             for w in self.workers:
                 if w is not self.router:
                     w.wait_healthy(w.cfg.startup_timeout_s)
@@ -104,6 +111,8 @@ class SGLangFleet(RolloutEngine):
             self.router.start()
             if self.router_process is not None:
                 self._wait_router_ready()
+            for w in attached:
+                w.adopt_layout(self.transport)
         except BaseException:
             self.stop()
             raise
@@ -116,7 +125,7 @@ class SGLangFleet(RolloutEngine):
         self.router.wait_healthy(
             self.router.cfg.startup_timeout_s,
             "/readiness",
-            ready=lambda r: r.get("healthy_workers") == want,
+            ready=lambda r: isinstance(r, dict) and r.get("healthy_workers") == want,
         )
 
     def stop(self) -> None:
@@ -231,15 +240,24 @@ class SGLangFleet(RolloutEngine):
 
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Every server pauses and opens a session; each bucket (streamed once from the
-        trainer) is broadcast once over the fleet's group while every server announces it, or
-        serialized once and posted to each server for tensor pushes; then every server closes
-        and resumes."""
+        trainer) is broadcast once over the fleet's group while every server announces it, or,
+        for tensor pushes, serialized once per (server, TP rank) and posted to each server; then
+        every server closes and resumes.
+
+        One serialization per destination, as SGLang's own ``Engine`` makes them
+        (``_serialize_tensors_per_rank``; each TP rank reads only its own, ``tp_worker.py``
+        ``deserialize_own_rank``): torch counts one CUDA-IPC reference per serialization, and
+        every process that opens the handles gives one back (``rebuild_cuda_tensor`` in
+        ``torch/multiprocessing/reductions.py``). One payload opened by several ranks or servers
+        was given back more often than counted, so the trainer's allocator could reuse a
+        bucket's memory while a server rank still mapped it. CPU payloads are data, where
+        sharing was harmless; they follow the same rule."""
         with self.sessions():
             for bucket, last in with_last(buckets):
                 if self.transport == "tensor":
-                    payload = serialize_named_tensors(bucket)
                     for w in self.workers:
-                        w.push_tensors([payload] * w.cfg.tp_size, version, last)
+                        payloads = [serialize_named_tensors(bucket) for _ in range(w.cfg.tp_size)]
+                        w.push_tensors(payloads, version, last)
                 else:
                     self._broadcast_bucket(bucket, version, last)
         for w in self.workers:
@@ -270,6 +288,22 @@ class SGLangFleet(RolloutEngine):
             for w in self.workers:
                 stack.enter_context(w.weight_update_session())
             yield self
+
+    def pause_generation(self) -> None:
+        for w in self.workers:
+            w.pause_generation()
+
+    def begin_weight_update(self) -> None:
+        for w in self.workers:
+            w.begin_weight_update()
+
+    def end_weight_update(self) -> None:
+        for w in self.workers:
+            w.end_weight_update()
+
+    def continue_generation(self) -> None:
+        for w in self.workers:
+            w.continue_generation()
 
     def push_ipc(self, payloads: Sequence[str], version: int, last: bool) -> None:
         for w in self.workers:

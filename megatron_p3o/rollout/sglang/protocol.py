@@ -148,6 +148,11 @@ def parse_generate_response(
 ) -> Sample:
     """One SGLang ``/generate`` response → :class:`Sample` (refuses aborted / non-finite ones);
     ``routed_experts`` = (layers, k) decodes the recorded experts (MoE)."""
+    if not isinstance(resp, dict):
+        raise EngineResponseError(
+            f"SGLang /generate (prompt group {group_id}) answered {type(resp).__name__} "
+            f"{str(resp)[:200]!r}, not a response object"
+        )
     meta = resp.get("meta_info") or {}
     rid = meta.get("id", "?")
     fin = meta.get("finish_reason")
@@ -204,6 +209,13 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 RESUME_BEFORE_PUSH = ("weights",)
 RESUME_AFTER_PUSH = ("kv_cache", "cuda_graph")
 assert sorted(RESUME_BEFORE_PUSH + RESUME_AFTER_PUSH) == sorted(MEMORY_TAGS)
+
+
+# SGLang 0.5.23's answer to ``/end_weight_update`` without a session
+# (``scheduler_components/weight_updater.py``, ``end_weight_update``). Only that route closes a
+# session, so the next trainer closes the one a killed trainer left open when it attaches, and
+# this answer there is no error.
+NO_SESSION_OPEN = "no weight-update session is open"
 
 
 def release_payload() -> dict:
