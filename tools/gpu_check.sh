@@ -5,7 +5,7 @@
 # CPU against SGLang's pinned source (tests/unit/test_sglang_protocol.py).
 #
 #   here:   bash tools/gpu_wheels.sh        # .whl/: megatron-core 0.16.1 cp312, datasets (+2 deps)
-#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 590 s); 9 files in
+#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 590 s); 10 files in
 #                                           # OUTDIR, to commit under docs/gpu/
 #
 # 1. the tiny base model (the shipped one, installed in seconds), then the converter's checkpoint against transformers, logits on the GPU
@@ -22,8 +22,14 @@
 # 7. every model family's local spec, forward + backward on the GPU against transformers there
 #    (logits, the embedding's gradient), and the fused log-prob (T=4096, V=151936) against
 #    float64 and against the unfused kernel in bf16 (specs.json)
+# 8. round 5 (issue 52): a colocated step on one GPU with the tiny Llama through the real client
+#    against a stand-in server process that acts as SGLang 0.5.23 (null memory answers, memory
+#    freed and taken back): release, train, push, resume, generate (order, bitwise weights,
+#    the trainer's cache returned before the resume); another process can allocate the
+#    trainer's cached memory only after return_cached_memory; one CUDA-IPC payload per receiver
+#    against one shared by two (round5.json)
 # Files: env.txt, summary.txt (each step's exit status and RESULT line), log.txt (everything),
-# metrics.jsonl, logprob.json, mfu.json, round3.json, round4.json, specs.json.
+# metrics.jsonl, logprob.json, mfu.json, round3.json, round4.json, specs.json, round5.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tools/gpu_check.sh OUTDIR}
@@ -59,9 +65,9 @@ step() {
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
       'transformers', transformers.__version__, 'megatron-core', m.__version__)"
 } > "$OUT/env.txt" 2>&1
-step base 40 $PY tools/make_tiny_base.py --out "$W/base"
+step base 30 $PY tools/make_tiny_base.py --out "$W/base"
 step verify 60 $PY -m checkpoints_convert.verify --hf "$W/base/hf" --ckpt "$W/base/ckpt"
-step train 130 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
+step train 80 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
   --set "model.checkpoint=$W/base/ckpt" --set "data.path=$W/base/train.jsonl" \
   --set "data.eval_path=$W/base/heldout.jsonl" --set data.eval_every=0 --set steps=5 \
   --set model.params_dtype=bfloat16 --set "rollout.device=$DEV" \
@@ -72,6 +78,7 @@ step mfu 90 $PY benchmarks/bench_gpu.py mfu --device "$DEV" --out "$OUT" $BENCH_
 step round3 100 $PY tools/gpu_round3.py --device "$DEV" --out "$OUT"
 step round4 50 $PY tools/gpu_round4.py --device "$DEV" --out "$OUT"
 step specs 60 $PY tools/gpu_specs.py --device "$DEV" --out "$OUT"
+step round5 60 $PY tools/gpu_round5.py --device "$DEV" --out "$OUT"
 echo "gpu_check: $( ((status == 0)) && echo all steps passed || echo some steps FAILED)" \
   | tee -a "$OUT/summary.txt"
 exit $status
