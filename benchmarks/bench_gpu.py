@@ -183,8 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     a = ap.parse_args(argv)
-    from megatron_p3o.observability.quiet import silence_known_warnings
     from megatron_p3o.runtime.parallel import Layout, initialize
+    from megatron_p3o.runtime.quiet import silence_known_warnings
 
     silence_known_warnings()
     device = torch.device(a.device)

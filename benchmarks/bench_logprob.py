@@ -223,8 +223,9 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     import torch
     import torch.distributed as dist
 
-    from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs, output_layer_input
+    from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs
     from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
+    from megatron_p3o.model.output_layer import output_layer_input
     from megatron_p3o.runtime.parallel import Layout, initialize
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))

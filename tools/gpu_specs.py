@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--families", nargs="*", default=None, help="default: every family")
     a = ap.parse_args(argv)
-    from megatron_p3o.observability.quiet import silence_known_warnings
+    from megatron_p3o.runtime.quiet import silence_known_warnings
 
     silence_known_warnings()
     torch.backends.cuda.matmul.allow_tf32 = False

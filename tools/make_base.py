@@ -62,7 +62,7 @@ MODEL = dict(
 
 def scores(model, tok, prompts, answers, max_new, n=1, seed=0) -> list:
     """Per prompt, the ``n`` completions' task scores (greedy if n == 1, else temperature 1)."""
-    from megatron_p3o.data.tasks.reasoning_gym import reasoning_gym_reward
+    from megatron_p3o.reward.reasoning_gym import reasoning_gym_reward
 
     ids = [tok.encode("<bos>" + p) for p in prompts]
     L = max(map(len, ids))
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             return 2
         print(json.dumps(install(a.task, out)))
         return 0
-    from megatron_p3o.observability.quiet import silence_known_warnings
+    from megatron_p3o.runtime.quiet import silence_known_warnings
 
     silence_known_warnings()
     from rich.progress import Progress

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     a.max_steps = 3000 if a.max_steps is None else a.max_steps
     a.eval_every = 5 if a.eval_every is None else a.eval_every
     a.seed = 0 if a.seed is None else a.seed
-    from megatron_p3o.observability.quiet import silence_known_warnings
+    from megatron_p3o.runtime.quiet import silence_known_warnings
 
     silence_known_warnings()
     from rich.progress import Progress

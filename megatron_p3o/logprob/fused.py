@@ -20,8 +20,10 @@ Collectives: a MAX all-reduce of ``m [chunk]`` per chunk (the exponentials need 
 before they are taken) and one SUM all-reduce of the per-token sums ``[2 or 3, T]`` (float64)
 after the last chunk, both over the TP group; none in the backward. The TP sum of dh (each rank
 only saw its vocabulary shard) belongs to the input mapping, as in Megatron's
-``ColumnParallelLinear``: :func:`output_layer_input` (all-reduce, or with sequence parallelism
-the all-gather of the input whose backward reduce-scatters dh).
+``ColumnParallelLinear``: :func:`~megatron_p3o.model.output_layer.output_layer_input`
+(all-reduce, or with sequence parallelism the all-gather of the input whose backward
+reduce-scatters dh), which the model's output layer applies before it hands the loss an
+:class:`~megatron_p3o.model.output_layer.OutputLayerInput`.
 
 Rounding and chunking: the same chunk size on the same machine and thread count gives
 bitwise-identical results run to run (no atomics, no data-dependent order). Across chunk sizes,
@@ -43,78 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_p3o.logprob.kernels import _BLOCK_ELEMS, _row_blocks, _shard_bounds
-from megatron_p3o.runtime.collectives import all_gather_flat, all_max, all_sum, reduce_scatter_flat
-
-
-@dataclass
-class OutputLayerInput:
-    """What the last stage hands the loss instead of logits on the fused path.
-
-    Attributes:
-        hidden: ``[b, s, d]`` the output layer's input, already mapped for TP
-            (:func:`output_layer_input`: gathered over sequence parallelism, its gradient summed
-            over TP).
-        weight: ``[V/tp, d]`` the output layer's vocabulary shard (the embedding weight when the
-            embeddings are tied).
-        extra: ``((r [b, s, d_i], W_i [V/tp, d_i]), …)`` terms added to the logits (R2PO's
-            residual head, z^μ = h·Wᵀ + ReLU(h·W₁ᵀ)·W₂ᵀ), each ``r`` mapped for TP like ``hidden``.
-    """
-
-    hidden: Tensor
-    weight: Tensor
-    extra: Tuple[Tuple[Tensor, Tensor], ...] = ()
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden.device
-
-
-# -- the input mapping of a column-parallel output layer --------------------------------------
-class SumGradOverTP(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        g = g.contiguous()
-        all_sum(g, ctx.group, "dh: each TP rank's is the partial sum over its vocabulary shard")
-        return g, None
-
-
-class _GatherSequenceParallel(torch.autograd.Function):
-    """``[s/tp, …]`` → ``[s, …]`` (all-gather along dim 0); the backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        tp = dist.get_world_size(group)
-        out = x.new_empty((tp * x.shape[0],) + tuple(x.shape[1:]))
-        all_gather_flat(out, x.contiguous(), group, "the output layer needs every token's hidden "
-                        "state (sequence parallelism left each TP rank a slice)")  # fmt: skip
-        return out
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        tp = dist.get_world_size(ctx.group)
-        out = g.new_empty((g.shape[0] // tp,) + tuple(g.shape[1:]))
-        reduce_scatter_flat(out, g.contiguous(), ctx.group, "dh summed over the vocabulary "
-                            "shards, to the TP rank holding each token's slice")  # fmt: skip
-        return out, None
-
-
-def output_layer_input(hidden: Tensor, tp_group=None, sequence_parallel: bool = False) -> Tensor:
-    """What a column-parallel output layer does to its input before the matmul: with sequence
-    parallelism ``[s/tp, b, d]`` → ``[s, b, d]`` (all-gather; dh reduce-scattered in backward),
-    without it the identity with dh all-reduced over TP. No-op at TP = 1."""
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return hidden
-    if sequence_parallel:
-        return _GatherSequenceParallel.apply(hidden, tp_group)
-    return SumGradOverTP.apply(hidden, tp_group)
+from megatron_p3o.runtime.collectives import all_max, all_sum
 
 
 # -- the kernel ----------------------------------------------------------------------------------
@@ -302,8 +233,9 @@ def fused_vocab_parallel_logprobs(
 
     Args:
         hidden: ``[..., d]`` the output layer's input, the same on every TP rank; its gradient is
-            this rank's partial sum over its vocabulary shard (put :func:`output_layer_input` in
-            front of the kernel to sum it over TP, as the trainer does).
+            this rank's partial sum over its vocabulary shard (put
+            :func:`~megatron_p3o.model.output_layer.output_layer_input` in front of the kernel
+            to sum it over TP, as the trainer does).
         weight: ``[V/tp, d]`` this rank's contiguous vocabulary shard of the output layer (rank r
             of ``tp_group`` holds global ids ``[r·V/tp, (r+1)·V/tp)``); any float dtype.
         target_ids: ``[...]`` global token ids.

@@ -9,9 +9,10 @@ from typing import List, Optional
 
 import torch
 
-from megatron_p3o.logprob.fused import OutputLayerInput, fused_vocab_parallel_logprobs
+from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs
 from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
 from megatron_p3o.model.forward import MicroBatch, forward_backward, nest_response
+from megatron_p3o.model.output_layer import OutputLayerInput
 from megatron_p3o.model.packed import gather_response, gather_tokens
 from megatron_p3o.runtime.parallel import ParallelGroups
 
@@ -38,7 +39,7 @@ def response_logprobs(
     first completion token (ReVal's soft value; the kernel's own log-partition).
 
     ``logits``: ``[b, s/cp, V/tp]``, or on the fused path (``model.fused_logprob``) the
-    :class:`~megatron_p3o.logprob.fused.OutputLayerInput` the last stage handed over: the
+    :class:`~megatron_p3o.model.output_layer.OutputLayerInput` the last stage handed over: the
     same values from the hidden states and the output weight, chunk by chunk (``inplace`` is
     then moot: no logits exist)."""
     common = dict(

@@ -17,7 +17,7 @@ they share one.
 
 Fused log-probs (``model.fused_logprob``): on a last stage built with it, the output layer does
 not multiply; :class:`FusedOutputLayer` hands the loss function an
-:class:`~megatron_p3o.logprob.fused.OutputLayerInput` (the output layer's input, gathered
+:class:`~megatron_p3o.model.output_layer.OutputLayerInput` (the output layer's input, gathered
 for sequence parallelism, and its weight) in place of the logits, and
 :func:`~megatron_p3o.update.policy_update.response_logprobs` takes the log-probs from it chunk by
 chunk.
@@ -35,8 +35,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from megatron_p3o.logprob.fused import OutputLayerInput, output_layer_input
 from megatron_p3o.model import packed
+from megatron_p3o.model.output_layer import OutputLayerInput, output_layer_input
 from megatron_p3o.runtime import mcore_compat
 from megatron_p3o.runtime.parallel import ParallelGroups
 

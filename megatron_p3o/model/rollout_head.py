@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_p3o.logprob.fused import SumGradOverTP
+from megatron_p3o.model.output_layer import SumGradOverTP
 from megatron_p3o.runtime.collectives import all_gather_into, all_sum
 from megatron_p3o.runtime.fields import check_ranges
 from megatron_p3o.runtime.parallel import LayoutError, ParallelGroups

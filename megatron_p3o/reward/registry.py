@@ -44,7 +44,7 @@ def build_reward(kind: str, function: str = "") -> RewardFn:
 
         return exact_match_reward
     if kind == "reasoning_gym":
-        from megatron_p3o.data.tasks.reasoning_gym import reasoning_gym_reward
+        from megatron_p3o.reward.reasoning_gym import reasoning_gym_reward
 
         return reasoning_gym_reward
     if kind == "python":

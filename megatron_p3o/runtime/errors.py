@@ -104,7 +104,7 @@ def one_line(err: BaseException) -> str:
 
 def run_cli(main: Callable[[Optional[Sequence[str]]], int], prog: str) -> None:
     """``sys.exit(main(argv))``, reporting a :class:`UserError` as ``prog: error: message``."""
-    from megatron_p3o.observability.quiet import silence_known_warnings
+    from megatron_p3o.runtime.quiet import silence_known_warnings
 
     silence_known_warnings()
     argv = sys.argv[1:]

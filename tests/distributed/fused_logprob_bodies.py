@@ -17,9 +17,10 @@ import torch
 import megatron_p3o.logprob.reference as reference_module
 import megatron_p3o.logprob.scoring as pu  # where the trainer calls the fused kernel
 from megatron_p3o.checkpoint.state import load_model_state
-from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs, output_layer_input
+from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs
 from megatron_p3o.loss import build_objective
 from megatron_p3o.loss.config import LossConfig
+from megatron_p3o.model.output_layer import output_layer_input
 from megatron_p3o.update.batching import BatchConfig, MicroBatcher
 from megatron_p3o.update.optim import (
     OptimConfig,

@@ -161,7 +161,7 @@ def test_help_shows_the_whole_description_and_the_prog():
     for flag in ("--out DIR", "--set KEY=VALUE", "--workers", "--list", "--report-only"):
         assert flag in r.stdout, flag
     # the serving CLI the Slurm script runs: its description is a whole sentence, not a cut line
-    serve = [sys.executable, "-m", "megatron_p3o.rollout.sglang.serve", "--help"]
+    serve = [sys.executable, "-m", "megatron_p3o.cli.serve", "--help"]
     s = subprocess.run(serve, capture_output=True, text=True, env=ENV, timeout=300)
     assert s.returncode == 0, s.stderr[-2000:]
     assert "for a batch script that places them on other nodes" in _words(s.stdout)

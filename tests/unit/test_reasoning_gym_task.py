@@ -116,6 +116,14 @@ def test_bad_task_keys_are_one_clear_error(tmp_path):
         build_reward("reasoning_gym")("#3", "3")
 
 
+def test_every_task_format_has_its_answer_reader():
+    """The task's formats (data/) and the reward's answer readers (reward/, the lower folder)
+    carry the same names: a format the reward cannot read would fail at the first score."""
+    from megatron_p3o.reward.reasoning_gym import ANSWER_READERS
+
+    assert sorted(task._formats()) == sorted(ANSWER_READERS)
+
+
 def test_the_lock_pins_reasoning_gym_and_its_requirements():
     pins = {}
     for line in (ROOT / "constraints-cpu.txt").read_text().splitlines():

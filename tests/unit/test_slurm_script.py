@@ -62,7 +62,7 @@ def _run(tmp_path, recipe, nodes, healthy=True, env=None):
     for _ in range(100):  # servers and router are launched in the background (&): let them log
         lines = log.read_text().splitlines()
         if any("torch.distributed.run" in x for x in lines) and (
-            nodes == 1 or any("sglang.serve router" in x for x in lines)
+            nodes == 1 or any("cli.serve router" in x for x in lines)
         ):
             break
         time.sleep(0.1)
@@ -87,9 +87,9 @@ def test_multi_node_placement(tmp_path, monkeypatch):
     logs = tmp_path / run.get("dir", "runs") / run["name"] / "logs"
     assert logs.is_dir(), "server logs belong under the run directory"
     assert not list(tmp_path.glob("sglang-*.log")) and not list(tmp_path.glob("router-*.log"))
-    servers = [c for c in calls if "sglang.serve server" in c[1]]
+    servers = [c for c in calls if "cli.serve server" in c[1]]
     train = [c for c in calls if "torch.distributed.run" in c[1]]
-    router = [c for c in calls if "sglang.serve router" in c[1]]
+    router = [c for c in calls if "cli.serve router" in c[1]]
     assert len(servers) == 4 and {c[0] for c in servers} == {"0,1,2,3", "4,5,6,7"}
     assert sorted(c[1].split("-w ")[1].split()[0] for c in servers) == ["n3", "n3", "n4", "n4"]
     assert all("recipes/qwen3_32b_h100x32.yaml --port 3000" in c[1] for c in servers)
@@ -111,11 +111,11 @@ def test_multi_node_placement(tmp_path, monkeypatch):
 
 def test_single_node_shares_gpus(tmp_path):
     calls = _run(tmp_path, "recipes/qwen3_8b_h100x8.yaml", nodes=1)
-    servers = [c for c in calls if "sglang.serve server" in c[1]]
+    servers = [c for c in calls if "cli.serve server" in c[1]]
     train = [c for c in calls if "torch.distributed.run" in c[1]]
     assert sorted(c[0] for c in servers) == ["4", "5", "6", "7"]  # training has GPUs 0-3
     assert train[0][0] == "0,1,2,3" and "--nproc-per-node 4" in train[0][1]
-    assert not [c for c in calls if "sglang.serve router" in c[1]] or len(servers) > 1
+    assert not [c for c in calls if "cli.serve router" in c[1]] or len(servers) > 1
 
 
 def test_a_missing_sglang_interpreter_is_refused_before_anything_starts(tmp_path, monkeypatch):
@@ -170,7 +170,7 @@ def test_serve_keeps_the_key_out_of_argv_and_logs(tmp_path):
     key = "k" * 48
     env = {**os.environ, "SGLANG_PYTHON": str(fake), "P3O_SGLANG_API_KEY": key,
            "FAKE_RECORD": str(tmp_path / "rec.jsonl"), "PYTHONPATH": str(ROOT)}  # fmt: skip
-    base = [sys.executable, "-m", "megatron_p3o.rollout.sglang.serve"]
+    base = [sys.executable, "-m", "megatron_p3o.cli.serve"]
     recipe = str(ROOT / "recipes/qwen3_32b_h100x32.yaml")
     for what, extra in (("server", []), ("router", ["--workers", "http://n3:30000"])):
         r = subprocess.run(

@@ -7,14 +7,16 @@ The problem is reasoning-gym's own entry (its ``metadata["expression"]``, e.g.
     completion  13+45=58;58+41=99;99-10=89;#89
 
 one running sum per step, then ``#`` and the final answer, which the dataset's own
-``score_answer`` scores. The completion of a 4–6-term problem with 2–3-digit operands is 26–82
-characters: long enough for train–rollout mismatch to accumulate over a sequence.
+``score_answer`` scores (the reward reads it back:
+:func:`megatron_p3o.reward.reasoning_gym.scratchpad_answer`). The completion of a 4–6-term
+problem with 2–3-digit operands is 26–82 characters: long enough for train–rollout mismatch to
+accumulate over a sequence.
 """
 
 from __future__ import annotations
 
 import re
-from typing import List, Optional
+from typing import List
 
 CHARS = list("0123456789+-=;#")
 _TERM = re.compile(r"([+-]?\d+)")
@@ -43,11 +45,3 @@ def scratchpad_target(entry: dict) -> str:
     if str(acc) != str(entry["answer"]):
         raise ValueError(f"chain_sum scratchpad of {entry['metadata']['expression']!r} gave {acc}")
     return "".join(steps) + f"#{acc}"
-
-
-def extract_answer(completion: str) -> Optional[str]:
-    """What follows the last ``#`` (spaces dropped: the character tokenizer decodes with a
-    space between tokens); None when there is no ``#``."""
-    flat = completion.replace(" ", "")
-    i = flat.rfind("#")
-    return flat[i + 1 :] if i >= 0 else None

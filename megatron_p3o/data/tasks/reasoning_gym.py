@@ -1,10 +1,12 @@
-"""reasoning-gym tasks as prompt data and rewards (``data.task: reasoning_gym:<name>``).
+"""reasoning-gym tasks as prompt data (``data.task: reasoning_gym:<name>``).
 
 reasoning-gym (optional extra ``[tasks]``, pinned in the lock) generates procedural problems
 with their own verifiers. A task here is the generator ``<name>`` with its config
 (``data.task_args``), two disjoint splits drawn deterministically from ``data.task_seed``, and a
-*format*: how an entry becomes a prompt, and how the final answer is read from a completion
-before the dataset's own ``score_answer`` scores it (partial credit where it gives it).
+*format*: how an entry becomes a prompt (and, for the base-model makers, its worked completion).
+How the final answer is read back from a completion before the dataset's own ``score_answer``
+scores it is the reward's (:mod:`megatron_p3o.reward.reasoning_gym`, which also builds the
+datasets this module draws from: reward/ is the lower folder).
 
 The splits are written once as jsonl files (``prompt``, ``answer``) under
 ``{run.dir}/tasks/<name>-<hash>/`` and the run then reads them like any other prompt file, so
@@ -12,7 +14,7 @@ evaluation, DP sharding and the resumable cursor are the ones of :mod:`..rollout
 ``answer`` column holds the entry itself (JSON: dataset, config, answer, metadata, format), so
 the reward ``reward.kind: reasoning_gym`` needs nothing but the row.
 
-Formats:
+Formats (each with its answer reader in ``reward.reasoning_gym.ANSWER_READERS``):
     ``question``: the entry's own question; the answer is the text of the last
         ``<answer>…</answer>`` in the completion, else the whole completion (stripped).
     ``chain_scratchpad``: ``chain_sum`` written for a character-level model
@@ -26,10 +28,10 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from megatron_p3o.reward.reasoning_gym import cached_dataset, import_reasoning_gym
 from megatron_p3o.runtime.errors import DataError
 
 PREFIX = "reasoning_gym:"
@@ -41,26 +43,16 @@ HELDOUT_SEED_OFFSET = 1_000_000_007
 @dataclass(frozen=True)
 class TaskFormat:
     prompt: Callable[[dict], str]
-    extract: Callable[[str], Optional[str]]
     target: Optional[Callable[[dict], str]] = None  # the SFT completion (base-model makers)
 
 
-def _answer_tag(text: str) -> Optional[str]:
-    end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, end if end >= 0 else None)
-    if start >= 0 and end > start:
-        return text[start + len("<answer>") : end].strip()
-    return text.strip()
-
-
 def _formats() -> Dict[str, TaskFormat]:
+    """The formats by ``data.task_format`` name (the names of the reward's answer readers)."""
     from megatron_p3o.data.tasks import chain_sum
 
     return {
-        "question": TaskFormat(lambda e: e["question"], _answer_tag),
-        "chain_scratchpad": TaskFormat(
-            chain_sum.scratchpad_prompt, chain_sum.extract_answer, chain_sum.scratchpad_target
-        ),
+        "question": TaskFormat(lambda e: e["question"]),
+        "chain_scratchpad": TaskFormat(chain_sum.scratchpad_prompt, chain_sum.scratchpad_target),
     }
 
 
@@ -71,22 +63,11 @@ def task_format(name: str) -> TaskFormat:
     return formats[name]
 
 
-def _rg():
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise DataError(
-            "data.task=reasoning_gym:... needs reasoning-gym: pip install -c constraints-cpu.txt "
-            "-e '.[tasks]'"
-        ) from None
-    return reasoning_gym
-
-
 def dataset_name(task: str) -> str:
     if not task.startswith(PREFIX) or not task[len(PREFIX) :]:
         raise DataError(f"data.task={task!r}: use 'reasoning_gym:<dataset name>'")
     name = task[len(PREFIX) :]
-    known = _rg().factory.DATASETS
+    known = import_reasoning_gym().factory.DATASETS
     if name not in known:
         import difflib
 
@@ -96,20 +77,9 @@ def dataset_name(task: str) -> str:
     return name
 
 
-@lru_cache(maxsize=16)
-def _dataset(name: str, args_json: str, seed: int, size: int):
-    args = json.loads(args_json)
-    try:
-        return _rg().create_dataset(name, seed=seed, size=size, **args)
-    except (TypeError, AssertionError, ValueError) as e:
-        raise DataError(
-            f"data.task_args for reasoning_gym:{name}: {type(e).__name__}: {e}"
-        ) from None
-
-
 def entries(name: str, args: Dict[str, Any], seed: int, size: int) -> List[dict]:
     """``size`` entries of generator ``name`` (config ``args``) from ``seed``, in order."""
-    ds = _dataset(name, json.dumps(args, sort_keys=True), seed, size)
+    ds = cached_dataset(name, json.dumps(args, sort_keys=True), seed, size)
     return [ds[i] for i in range(size)]
 
 
@@ -125,7 +95,8 @@ def splits(
 
 
 def encode_answer(name: str, args: Dict[str, Any], entry: dict, fmt: str) -> str:
-    """The ``answer`` column: everything the reward needs to score a completion of ``entry``."""
+    """The ``answer`` column: everything the reward needs to score a completion of ``entry``
+    (:func:`~megatron_p3o.reward.reasoning_gym.reasoning_gym_reward` reads it)."""
     return json.dumps(
         {
             "dataset": name,
@@ -137,22 +108,6 @@ def encode_answer(name: str, args: Dict[str, Any], entry: dict, fmt: str) -> str
         sort_keys=True,
         default=str,
     )
-
-
-def reasoning_gym_reward(completion: str, answer: str) -> float:
-    """``reward.kind: reasoning_gym``: the dataset's own ``score_answer`` on the answer read
-    from ``completion`` by the row's format. ``answer`` is a row's :func:`encode_answer`."""
-    try:
-        row = json.loads(answer)
-        name, fmt = row["dataset"], row["format"]
-    except (ValueError, KeyError, TypeError):
-        raise DataError(
-            f"reward.kind=reasoning_gym: the answer {answer[:80]!r} is not a reasoning_gym row "
-            "(data.task=reasoning_gym:... writes them)"
-        ) from None
-    score = _dataset(name, json.dumps(row["config"], sort_keys=True), 0, 1).score_answer
-    extracted = task_format(fmt).extract(completion)
-    return float(score(extracted, {"answer": row["answer"], "metadata": row["metadata"]}))
 
 
 def _write_jsonl(rows: List[dict], path: Path) -> None:

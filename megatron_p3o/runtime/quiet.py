@@ -5,6 +5,9 @@ about things this project handles on purpose (torch fallbacks for TE/apex kernel
 of NCCL). A run printed pages of them, which hid the lines a user needs. Each entry names the
 module that warns and what the warning says, so a new or different warning still shows. Never a
 blanket ``filterwarnings("ignore")``.
+
+In runtime/ (the lowest layer, beside :mod:`.errors`) because :func:`.errors.run_cli`, which every
+command-line tool goes through, installs these filters before anything else is imported.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ KNOWN = (
     (
         FutureWarning,
         r"Please use DTensor instead",
-        r"(torch|megatron\.core|megatron_p3o\.cpu_shim)",
+        r"(torch|megatron\.core|megatron_p3o\.runtime\.cpu_shim)",
     ),
     (UserWarning, r"TypedStorage is deprecated", r"torch"),
     # torch.utils.tensorboard and datasets pulling deprecated APIs of their own dependencies.

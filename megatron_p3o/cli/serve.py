@@ -1,18 +1,23 @@
 """Start one SGLang server or the router of a recipe the way the trainer would, for a batch
 script that places them on other nodes (``tools/slurm/p3o.sbatch``)::
 
-    python -m megatron_p3o.rollout.sglang.serve server RECIPE --port P --log FILE [--set k=v ...]
-    python -m megatron_p3o.rollout.sglang.serve router RECIPE --port P --log FILE \\
+    python -m megatron_p3o.cli.serve server RECIPE --port P --log FILE [--set k=v ...]
+    python -m megatron_p3o.cli.serve router RECIPE --port P --log FILE \\
         --workers URL [URL ...] [--set k=v ...]
 
 Why not ``sglang.launch_server`` in the script: the same command the trainer builds
-(:func:`.launch.launch_command`: the SGLang environment's interpreter, the recipe's serving
-flags, the FP8-checkpoint check) and the same process handling (:class:`.launch.ServerProcess`):
+(:func:`megatron_p3o.rollout.sglang.launch.launch_command`: the SGLang environment's interpreter,
+the recipe's serving flags, the FP8-checkpoint check) and the same process handling
+(:class:`megatron_p3o.rollout.sglang.launch.ServerProcess`):
 the job's API key (``$P3O_SGLANG_API_KEY``) reaches the server in a mode-0600 ``--config`` file
 and the router through its environment, never argv; both processes' output is written to
 ``FILE`` with the key replaced. Runs in the trainer's environment, in the foreground, until the
 server exits (its exit status) or this process is terminated (the server's process group with
 it). GPUs: ``CUDA_VISIBLE_DEVICES`` of the caller.
+
+In cli/, not beside the launcher in rollout/sglang/: it reads the whole recipe as the trainer
+does (:func:`megatron_p3o.config.loading.load_config`, every cross-section check), and config/
+imports rollout/, which therefore never imports config/ back.
 """
 
 from __future__ import annotations
@@ -98,4 +103,4 @@ def _healthy(port: int) -> bool:
 if __name__ == "__main__":
     from megatron_p3o.runtime.errors import run_cli
 
-    run_cli(main, "megatron_p3o.rollout.sglang.serve")
+    run_cli(main, "megatron_p3o.cli.serve")
