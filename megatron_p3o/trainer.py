@@ -25,13 +25,15 @@ from megatron_p3o.checkpoint.state import (
 )
 from megatron_p3o.config.loading import to_dict
 from megatron_p3o.config.train_config import TrainConfig
-from megatron_p3o.data.prompts import PromptData, all_rows, remap_states
+from megatron_p3o.data.prompts import PromptData, all_rows, prompt_texts, remap_states
+from megatron_p3o.env.types import EnvItem
 from megatron_p3o.logprob.reference import ReferenceModel
 from megatron_p3o.loss import build_objective
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, meta_dict, read_meta
 from megatron_p3o.observability.metrics import PhaseTimer, combine_optimizer_steps, staleness
 from megatron_p3o.observability.run_log import RunLog
+from megatron_p3o.observability.turn_metrics import TURN_MEANS, turn_metrics
 from megatron_p3o.reward import build_reward, score_samples
 from megatron_p3o.reward.overlong import dapo_overlong_reward
 from megatron_p3o.rollout.backend import build_backend
@@ -39,6 +41,7 @@ from megatron_p3o.rollout.config import RolloutShard
 from megatron_p3o.rollout.engine import check_behavior_semantics
 from megatron_p3o.rollout.replay import ReplayBuffer, TrajectoryFIFO
 from megatron_p3o.rollout.scheduler import RolloutScheduler
+from megatron_p3o.rollout.turns import build_turn_loop
 from megatron_p3o.runtime.collectives import all_gather_objects, all_max, all_sum
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.parallel import ParallelGroups
@@ -63,7 +66,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, groups: ParallelGroups):
         cfg = cfg.with_task_files()  # a config built in code: its task's splits (else itself)
         self.cfg, self.groups = cfg, groups
-        self.log = self.rollout = None
+        self.log = self.rollout = self.turns = None
         self._eval_sets: Dict[str, list] = {}
         try:
             self._build(cfg, groups)
@@ -217,10 +220,11 @@ class Trainer:
         )
         head = self.r2po.head.hf_tensors if self.r2po is not None else None
         weights = TrainerWeights(self.chunks, groups, self.desc, extra=head)
+        self.turns = build_turn_loop(r.multi_turn, self.tok, cfg.data.chat_template)
         return build_backend(
             r, groups, weights, self.data, self._score, shard, self.step_idx, resume,
             cfg.model.params_dtype, self.tok.pad_token_id or 0, rollout_head=head is not None,
-            log_dir=str(self.run_dir / "sglang"),
+            log_dir=str(self.run_dir / "sglang"), turns=self.turns,
         )  # fmt: skip
 
     def _sampling(self) -> SamplingParams:
@@ -267,8 +271,11 @@ class Trainer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def _score(self, samples, answers) -> List[float]:
-        texts = [self.decode(s.completion_ids) for s in samples]
-        rewards = score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
+        if self.turns is not None:  # multi-turn: the environment's rewards, summed over turns
+            rewards = [float(s.reward) for s in samples]
+        else:
+            texts = [self.decode(s.completion_ids) for s in samples]
+            rewards = score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
         ol = self.cfg.reward.overlong
         if ol is not None:  # DAPO's soft over-long penalty, added to the task reward
             lens = torch.tensor([len(s.completion_ids) for s in samples])  # host
@@ -356,7 +363,7 @@ class Trainer:
         # versions behind the policy this step trained (step_idx has moved on to the next)
         trained = self.step_idx - 1
         stale = staleness(batch.samples, trained)
-        toks = sum(len(s.completion_ids) for s in batch.samples)
+        toks = sum(s.policy_tokens for s in batch.samples)  # the policy's (not an environment's)
         lens = [len(s.completion_ids) for s in batch.samples]
         cut = sum(s.finish_reason == "length" for s in batch.samples)
         distinct: Dict[int, set] = {}  # rollout diversity: distinct completions per prompt group
@@ -376,6 +383,7 @@ class Trainer:
             * metrics.get("n_tokens", 0.0)
             / max(seconds["train_s"], 1e-9),
             **stale,
+            **turn_metrics(batch.samples),
             "weight_version": self.step_idx,
             "lr": self.opt.param_groups[0]["lr"],
         }
@@ -386,6 +394,7 @@ class Trainer:
 
     _DP_SUMS = (
         "rollout_tokens",
+        "rollout_env_tokens",
         "dynamic_refilled",
         "reeval_groups",
         "replay_groups",
@@ -403,6 +412,7 @@ class Trainer:
         "straddling_frac",
         "rollout_s",
         "rollout_wait_s",
+        *TURN_MEANS,
     )
 
     def _reduce_rollout_metrics(self, out: Dict[str, float]) -> None:
@@ -441,13 +451,18 @@ class Trainer:
         rows = all_rows(path, self.tok, d.prompt_key, d.answer_key)
         rows = rows[:limit] if limit else rows
         mine = list(range(self.groups.dp_rank, len(rows), self.groups.layout.dp))
-        samples = self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling())
+        items = None
+        if self.turns is not None:  # the same turn loop as the rollouts, greedy
+            texts = prompt_texts(path, d.prompt_key)
+            items = [EnvItem(i, texts[i], rows[i][1], i) for i in mine]
+        samples = self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling(), items)
         score = torch.zeros(len(rows), dtype=torch.float64, device=self.groups.device)
-        texts = [self.decode(s.completion_ids) for s in samples]
-        # the training path's checks too (a failing or non-finite reward names the prompt)
-        for i, r in zip(
-            mine, score_samples(self.reward_fn, texts, [rows[i][1] for i in mine], mine)
-        ):
+        if items is not None:
+            rewards = [float(s.reward) for s in samples]
+        else:  # the training path's checks too (a failing or non-finite reward names the prompt)
+            texts = [self.decode(s.completion_ids) for s in samples]
+            rewards = score_samples(self.reward_fn, texts, [rows[i][1] for i in mine], mine)
+        for i, r in zip(mine, rewards):
             score[i] = r
         if self.groups.layout.dp_enabled:
             all_sum(score, self.groups.dp, "each DP rank evaluated a disjoint share of prompts")
@@ -465,12 +480,13 @@ class Trainer:
             self._eval_sets[name] = load_set(cfg, self.tok, self.cfg.data.chat_template, name)
         return self._eval_sets[name]
 
-    def generate_eval(self, prompts, sampling: SamplingParams):
-        """One completion per prompt with the current weights, in ``data.eval_precision``."""
+    def generate_eval(self, prompts, sampling: SamplingParams, items=None):
+        """One completion per prompt with the current weights, in ``data.eval_precision``
+        (``items``: multi-turn, one trajectory per prompt through the turn loop)."""
         precision = None
         if self.cfg.data.eval_precision == "trainer":
             precision = _PRECISION_OF[self.cfg.model.params_dtype]
-        return self.rollout.evaluate(prompts, sampling, self.step_idx, precision)
+        return self.rollout.evaluate(prompts, sampling, self.step_idx, precision, items)
 
     def greedy_sampling(self, max_tokens: int = 0) -> SamplingParams:
         """Top-1 decoding with the recipe's stop tokens (``max_tokens`` 0 = the recipe's)."""

@@ -76,7 +76,12 @@ class Sample:
         token_versions: the weight version of each completion token when they differ (SGLang
             retracts in-flight requests at a weight push and resumes them under the new
             weights); None when every token has ``weight_version``. ``logprobs`` are per token
-            under whichever weights sampled that token, so per-token ratios stay exact.
+            under whichever weights sampled that token, so per-token ratios stay exact. A token
+            the environment wrote has version −1.
+        policy_mask: multi-turn trajectories (``megatron_p3o.rollout.turns``): 1 for each
+            completion token the policy sampled, 0 for the tokens the environment and the chat
+            template wrote (their ``logprobs`` are 0 and mean nothing); None: all the policy's.
+            No ratio, ESS, KL, entropy or normaliser sees a 0 position.
     """
 
     prompt_ids: List[int]
@@ -89,6 +94,7 @@ class Sample:
     meta: dict = field(default_factory=dict)
     routed_experts: Optional["torch.Tensor"] = None
     token_versions: Optional[List[int]] = None
+    policy_mask: Optional[List[int]] = None
 
     def __post_init__(self):
         if len(self.completion_ids) != len(self.logprobs):
@@ -101,12 +107,37 @@ class Sample:
                 f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
                 f"{len(self.token_versions)} token weight versions"
             )
+        if self.policy_mask is not None and len(self.policy_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"sample of group {self.group_id}: {len(self.completion_ids)} tokens but "
+                f"{len(self.policy_mask)} policy-mask entries"
+            )
 
     def versions(self) -> List[int]:
-        """The weight version of every completion token."""
+        """The weight version of every completion token (−1: the environment's)."""
         if self.token_versions is not None:
             return list(self.token_versions)
         return [self.weight_version] * len(self.completion_ids)
+
+    def policy_versions(self) -> List[int]:
+        """The weight versions of the tokens the policy sampled (staleness acts on these)."""
+        v = self.versions()
+        if self.policy_mask is None:
+            return v
+        return [x for x, m in zip(v, self.policy_mask) if m]
+
+    @property
+    def policy_tokens(self) -> int:
+        """How many completion tokens the policy sampled."""
+        if self.policy_mask is None:
+            return len(self.completion_ids)
+        return int(sum(self.policy_mask))
+
+    def mask(self) -> List[int]:
+        """1 per completion token the policy sampled, 0 per token the environment wrote."""
+        if self.policy_mask is None:
+            return [1] * len(self.completion_ids)
+        return list(self.policy_mask)
 
 
 @dataclass
@@ -165,6 +196,8 @@ class Group:
                     "reward": s.reward,
                     "routed_experts": routes_out(s.routed_experts),
                     "token_versions": s.token_versions,
+                    "policy_mask": s.policy_mask,
+                    "meta": {k: v for k, v in s.meta.items() if k in TRAJECTORY_META},
                 }
                 for s in self.samples
             ],
@@ -188,6 +221,10 @@ class Group:
             d["source"],
             int(d["uses"]),
         )
+
+
+# a multi-turn trajectory's own facts (megatron_p3o.rollout.turns), kept with it in checkpoints
+TRAJECTORY_META = ("status", "turns", "tool_calls", "tool_errors", "observation_cut")
 
 
 def routes_out(r):

@@ -3,12 +3,18 @@ Llama on the task's scratchpad completions, stopped inside a target held-out acc
 
     python tools/make_base.py --task chain_sum --out runs/chain_base     # the shipped base
     python tools/make_base.py --task chain_sum --train --out runs/my_base [--seed 0]
+    python tools/make_base.py --task tool_calc --out runs/tool_base      # the shipped tool base
+    python tools/make_base.py --task tool_calc --train --out runs/my_tool_base [--seed 0]
+        [--tool-share 0.3] [--max-steps 1500]
         [--target-acc 0.40] [--max-steps 3000]
 
 Without ``--train`` it installs the base shipped in ``bases/<task>`` (``tools/shipped_base.py``:
 weights checked against ``bases/SHA256SUMS``) in seconds, the same weights on every CPU: the
 warm-up below lands elsewhere on another instruction set (0.058 held-out after 775 steps on one
 machine, 0.69 on another). ``--train`` makes a new one:
+
+``tool_calc`` (``recipes/tiny_cpu_tools.yaml``): arithmetic with a calculator tool, multi-turn
+(``tools/tool_base.py`` says how its base is warmed up: a mix of tool calls and direct answers).
 
 ``chain_sum`` (``recipes/chain_cpu.yaml``): reasoning-gym's chain_sum with 5–7 one-digit terms
 in the ``chain_scratchpad`` format (``3+7-2+9-4=`` → ``3+7=10;10-2=8;8+9=17;17-4=13;#13``):
@@ -108,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--train", action="store_true", help="train a new base, not the shipped one")
+    ap.add_argument("--tool-share", type=float, default=0.3, help="tool_calc: tool conversations")
     a = ap.parse_args(argv)
     changed = [k for k in ("seed", "task_seed", "train_size", "heldout_size", "target_acc",
                            "max_steps", "eval_every", "eval_prompts", "batch", "lr")
@@ -115,8 +122,9 @@ def main(argv=None) -> int:
     if a.task == "addition":
         print("make_base: the addition base is tools/make_tiny_base.py --out DIR", file=sys.stderr)
         return 2
-    if a.task not in TASKS:
-        print(f"make_base: --task {a.task!r}: known tasks {sorted(TASKS)}", file=sys.stderr)
+    if a.task not in TASKS and a.task != "tool_calc":
+        print(f"make_base: --task {a.task!r}: known tasks {sorted([*TASKS, 'tool_calc'])}",
+              file=sys.stderr)  # fmt: skip
         return 2
     out = Path(a.out)
     if (out / "base.json").is_file():
@@ -134,6 +142,8 @@ def main(argv=None) -> int:
     from megatron_p3o.runtime.quiet import silence_known_warnings
 
     silence_known_warnings()
+    if a.task == "tool_calc":
+        return _tool_base(out, a)
     from rich.progress import Progress
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -234,6 +244,21 @@ def main(argv=None) -> int:
         },
     }
     (out / "base.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(json.dumps(info))
+    return 0
+
+
+def _tool_base(out: Path, a) -> int:
+    """The tool-use base (tools/tool_base.py): warm-up, then the Megatron checkpoint."""
+    from tool_base import train, write_base_json  # tools/ (this script's folder)
+
+    from checkpoints_convert.hf_to_megatron import convert
+    from megatron_p3o.runtime.parallel import Layout, initialize
+
+    steps = a.max_steps if a.max_steps != 3000 else 1500
+    info = train(out, a.seed, a.tool_share, steps, a.batch, a.lr)
+    convert(str(out / "hf"), str(out / "ckpt"), groups=initialize(Layout()), dtype="float32")
+    write_base_json(out, info)
     print(json.dumps(info))
     return 0
 

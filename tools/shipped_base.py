@@ -86,6 +86,12 @@ def install(name: str, out: Path, root: Path = BASES) -> dict:
         train, held = splits(seed=int(info.get("seed", 0)))
         write_jsonl(train, tmp / "train.jsonl")
         write_jsonl(held, tmp / "heldout.jsonl")
+    if info.get("task") == "tool_calc":  # Python's own random: the same splits everywhere
+        from megatron_p3o.data.tasks import tool_calc
+
+        train, held = tool_calc.splits()
+        tool_calc.write_jsonl(train, tmp / "train.jsonl")
+        tool_calc.write_jsonl(held, tmp / "heldout.jsonl")
     from checkpoints_convert.hf_to_megatron import convert
     from megatron_p3o.runtime.parallel import Layout, initialize
 

@@ -97,6 +97,19 @@ class TrainConfig:
                 f"data.task={self.data.task!r} is scored by its dataset: set reward.kind: "
                 f"reasoning_gym (got {self.reward.kind!r})"
             )
+        mt = self.rollout.multi_turn
+        if mt is not None and self.eval.sets:
+            raise ConfigError(
+                "eval.sets with rollout.multi_turn: the evaluation sets score one completion "
+                "per prompt; a multi-turn run is evaluated on data.eval_path through its "
+                "environment (remove eval.sets)"
+            )
+        if mt is not None and mt.max_total_tokens >= self.model.seq_length:
+            raise ConfigError(
+                f"rollout.multi_turn.max_total_tokens={mt.max_total_tokens} leaves no room for "
+                f"the prompt in model.seq_length={self.model.seq_length} (a trajectory is the "
+                "prompt plus up to max_total_tokens)"
+            )
 
     def with_task_files(self) -> "TrainConfig":
         """``data.task``'s splits written under ``{run.dir}/tasks/`` and named by ``data.path``

@@ -272,8 +272,14 @@ def encode_prompt(tok, text: str, chat: bool = False, add_bos: bool = True) -> L
     """Prompt ids: through the tokenizer's chat template (a user turn, generation prompt
     added), or the plain text after BOS."""
     if chat:
-        return tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        # return_dict=False: transformers 5 answers tokenize=True with a BatchEncoding
+        return list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": text}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
         )
     ids = tok.encode(text, add_special_tokens=False)
     return ([tok.bos_token_id] if add_bos and tok.bos_token_id is not None else []) + ids
@@ -292,3 +298,9 @@ def all_rows(
         add_bos=add_bos,
     )
     return [(d.encode(p), a) for p, a in zip(d.prompts, d.answers)]
+
+
+def prompt_texts(path: str, prompt_key: str = "prompt") -> List[str]:
+    """Every prompt's text of a file, in order (a multi-turn environment starts from the text,
+    not from token ids)."""
+    return list(read_dataset(path)[prompt_key])

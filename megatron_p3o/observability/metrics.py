@@ -248,10 +248,12 @@ def staleness(samples, trained: int) -> Dict[str, float]:
     """How many versions behind ``trained`` (the policy version the step updated) the samples
     are, per sequence (its oldest token: ``Sample.weight_version``) and per token (a sample that
     straddled a weight push has tokens of two versions); ``straddling_frac``: the share of
-    samples with more than one version. Host-side: samples live on the host."""
+    samples with more than one version. Only the policy's tokens count (a multi-turn
+    trajectory's environment tokens have no version). Host-side: samples live on the host."""
     seq = [trained - s.weight_version for s in samples]
-    tok = [trained - v for s in samples for v in s.versions()]
-    straddling = sum(s.token_versions is not None for s in samples)
+    # the policy's tokens (a multi-turn trajectory's environment tokens carry version −1)
+    tok = [trained - v for s in samples for v in s.policy_versions()]
+    straddling = sum(len(set(s.policy_versions())) > 1 for s in samples)
     return {
         "staleness_mean": sum(seq) / max(len(seq), 1),
         "staleness_max": float(max(seq, default=0)),

@@ -49,10 +49,12 @@ class RolloutBackend(abc.ABC):
         shard: RolloutShard,
         start: int,
         resume: Optional[dict] = None,
+        turns=None,
     ):
         """``resume``: a checkpoint's :meth:`state` of this DP rank, plus ``weights`` (the
-        scheduler's :meth:`~.scheduler.RolloutScheduler.weights_state`, tensors present)."""
-        self.engine, self.weights, self.cfg = engine, weights, cfg
+        scheduler's :meth:`~.scheduler.RolloutScheduler.weights_state`, tensors present);
+        ``turns``: the multi-turn loop (:class:`~.turns.TurnLoop`), or None."""
+        self.engine, self.weights, self.cfg, self.turns = engine, weights, cfg, turns
         self.scheduler: Optional[RolloutScheduler] = None
         resume = resume or {}
         old = resume.get("weights")
@@ -62,7 +64,7 @@ class RolloutBackend(abc.ABC):
             initial, version = self._sync(start), None
         self.scheduler = RolloutScheduler(
             engine, data, score, cfg, shard, start, initial, resume.get("pending", ()),
-            resume.get("carried", ()), version,
+            resume.get("carried", ()), version, turns,
         )  # fmt: skip
 
     @abc.abstractmethod
@@ -76,9 +78,17 @@ class RolloutBackend(abc.ABC):
         sampling: SamplingParams,
         version: int,
         precision: Optional[str] = None,
+        items=None,
     ):
         """One completion per prompt with the trainer's current weights (all ranks), in
-        ``precision`` (an embedded-engine precision; None = the rollout engine's own)."""
+        ``precision`` (an embedded-engine precision; None = the rollout engine's own); with
+        ``items`` (multi-turn: one :class:`~megatron_p3o.env.types.EnvItem` per prompt) one
+        trajectory per prompt through the same turn loop as the rollouts."""
+
+    def _generate(self, engine, prompts, sampling, items) -> List[Sample]:
+        if items is not None and self.turns is not None:
+            return self.turns.run(engine, prompts, items, 1, sampling)
+        return engine.generate(prompts, 1, sampling)
 
     def next_batch(self) -> RolloutResult:
         """The next rollout batch (blocks until the schedule's weight version produced it)."""
@@ -118,20 +128,20 @@ class EmbeddedBackend(RolloutBackend):
 
     _eval_engine = None
 
-    def evaluate(self, prompts, sampling, version, precision=None) -> List[Sample]:
+    def evaluate(self, prompts, sampling, version, precision=None, items=None) -> List[Sample]:
         """Held-out completions. In the trainer's ``precision`` they come from a noise-free
         engine whenever the rollout engine differs from the trainer's policy: another precision,
         or a stress injection that perturbs the engine itself (logit noise, rounded weights),
         even at the same precision — scores measure the policy, not the mismatch."""
         injected = bool(self.engine.logit_noise or self.engine.rounding_step)
         if precision is not None and (precision != self.engine.precision or injected):
-            return self._evaluator(precision, version).generate(prompts, 1, sampling)
+            return self._generate(self._evaluator(precision, version), prompts, sampling, items)
         pub = Publication(version - 1, version, self._sync(version))
         s = self.scheduler
         with s.engine_lock:  # borrowed from the rollout producer for the duration
             s.ensure_weights(pub)
             with self.engine.base_head():  # the policy is the base head (R2PO)
-                return self.engine.generate(prompts, 1, sampling)
+                return self._generate(self.engine, prompts, sampling, items)
 
     def _evaluator(self, precision: str, version: int):
         """A second, noise-free engine in the trainer's precision for evaluation (built on first
@@ -157,9 +167,11 @@ class SGLangBackend(RolloutBackend):
     """One SGLang server (or router) for the whole job, driven from global rank 0
     (:mod:`.central`); weights stream to rank 0 and are pushed at every sync point."""
 
-    def __init__(self, producer, evaluator, weights, data, score, cfg, shard, start, resume):
+    def __init__(
+        self, producer, evaluator, weights, data, score, cfg, shard, start, resume, turns=None
+    ):
         self.evaluator = evaluator  # a second view with its own object group (see central)
-        super().__init__(producer, weights, data, score, cfg, shard, start, resume)
+        super().__init__(producer, weights, data, score, cfg, shard, start, resume, turns)
 
     def _sync(self, version: int) -> WeightUpdate:
         from megatron_p3o.weight_sync import iter_hf_buckets
@@ -182,10 +194,10 @@ class SGLangBackend(RolloutBackend):
         if self.cfg.weight_sync == "colocated":
             self.engine.release_memory()
 
-    def evaluate(self, prompts, sampling, version, precision=None) -> List[Sample]:
+    def evaluate(self, prompts, sampling, version, precision=None, items=None) -> List[Sample]:
         # the server's precision and the last sync point's weights (a trainer-precision
         # evaluation would need a generation path in Megatron: not built)
-        return self.evaluator.generate(prompts, 1, sampling)
+        return self._generate(self.evaluator, prompts, sampling, items)
 
 
 def build_backend(
@@ -201,10 +213,12 @@ def build_backend(
     pad_token_id: int,
     rollout_head: bool = False,
     log_dir: str = ".",
+    turns=None,
 ) -> RolloutBackend:
     """The backend ``cfg.engine`` names; engines it started are stopped if it fails.
     ``rollout_head``: the engine samples with R2PO's residual head (embedded engine only);
-    ``log_dir``: where launched SGLang servers write their (redacted) logs and pid files."""
+    ``log_dir``: where launched SGLang servers write their (redacted) logs and pid files;
+    ``turns``: the multi-turn loop (:class:`~.turns.TurnLoop`) or None."""
     from megatron_p3o.model.description import description_to_hf_config
 
     if cfg.engine == "embedded":
@@ -218,7 +232,7 @@ def build_backend(
             rollout_head=rollout_head, max_batch=cfg.embedded_max_batch,
             weight_rounding_step=cfg.weight_rounding_step,
         )  # fmt: skip
-        return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, resume)
+        return EmbeddedBackend(engine, weights, data, score, cfg, shard, start, resume, turns)
     hf = description_to_hf_config(weights.desc, params_dtype)  # config.json of disk pushes
     if cfg.sglang.quantization == "fp8":
         from megatron_p3o.weight_sync.fp8 import quantization_config
@@ -226,7 +240,9 @@ def build_backend(
         hf["quantization_config"] = quantization_config()
     producer, evaluator = _central_engines(cfg, groups, hf, log_dir)
     try:
-        return SGLangBackend(producer, evaluator, weights, data, score, cfg, shard, start, resume)
+        return SGLangBackend(
+            producer, evaluator, weights, data, score, cfg, shard, start, resume, turns
+        )
     except BaseException:
         producer.stop()
         raise

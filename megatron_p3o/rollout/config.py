@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Dict, List, Literal, Optional
 
+from megatron_p3o.env.config import MultiTurnConfig
 from megatron_p3o.rollout.sglang import SGLangConfig
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.fields import check_ranges
@@ -64,6 +65,9 @@ class RolloutConfig:
         recompute, ESS pre-pass, gradient pass) use the experts the engine chose for each token
         (rollout routing replay); "off" lets the trainer route by itself. Both report the
         per-layer route agreement between engine and trainer.
+    multi_turn: multi-turn, tool-using rollouts against an environment
+        (:class:`~megatron_p3o.env.config.MultiTurnConfig`, ``docs/multiturn.md``); None: one
+        completion per sample.
     """
 
     engine: Literal["embedded", "sglang"] = "embedded"
@@ -88,6 +92,7 @@ class RolloutConfig:
     weight_sync_port: int = 29650
     sglang_workers: List[str] = field(default_factory=list)
     routing_replay: Literal["off", "r3"] = "off"
+    multi_turn: Optional[MultiTurnConfig] = None
 
     RANGES: ClassVar[Dict[str, str]] = {
         "embedded_max_batch": ">= 1",

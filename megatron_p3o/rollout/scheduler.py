@@ -45,6 +45,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from megatron_p3o.data.prompts import PromptData, PromptItem
+from megatron_p3o.env.types import EnvItem
 from megatron_p3o.rollout.config import RolloutConfig, RolloutShard
 from megatron_p3o.rollout.engine import RolloutEngine
 from megatron_p3o.runtime.errors import UserError
@@ -134,11 +135,14 @@ class RolloutScheduler:
         pending: Sequence[dict] = (),
         carried: Sequence[dict] = (),
         initial_version: Optional[int] = None,
+        turns=None,
     ):
         """``initial``: the weights batches from ``start + len(carried)`` on begin with, as
         version ``initial_version`` (default ``start``; older under lagged sync, see
-        :meth:`weights_state`); ``pending``, ``carried``: a checkpoint's :meth:`state`."""
-        self.engine, self.data, self.score = engine, data, score
+        :meth:`weights_state`); ``pending``, ``carried``: a checkpoint's :meth:`state`;
+        ``turns``: a :class:`~.turns.TurnLoop` for multi-turn rollouts (None: one completion
+        per sample)."""
+        self.engine, self.data, self.score, self.turns = engine, data, score, turns
         self.cfg, self.shard = cfg, shard
         self.start, self.consumed = start, start
         self.engine_lock = threading.RLock()
@@ -315,9 +319,14 @@ class RolloutScheduler:
         return replace(sh.sampling, seed=sh.seed * 7919 + j * 31 + sh.dp_rank + rnd * 1_000_003)
 
     def _roll(self, items: List[PromptItem], sources: List[str], j: int, rnd: int) -> List[Group]:
-        samples = self.engine.generate(
-            [it.prompt_ids for it in items], self.cfg.n_samples, self._sampling(j, rnd)
-        )
+        prompts = [it.prompt_ids for it in items]
+        sampling = self._sampling(j, rnd)
+        if self.turns is not None:  # multi-turn: the environment scores each trajectory
+            envs = [EnvItem(it.index, self.data.prompts[it.index], it.answer,
+                            sampling.seed * 31 + k) for k, it in enumerate(items)]  # fmt: skip
+            samples = self.turns.run(self.engine, prompts, envs, self.cfg.n_samples, sampling)
+        else:
+            samples = self.engine.generate(prompts, self.cfg.n_samples, sampling)
         rewards = self.score(samples, [items[s.group_id].answer for s in samples])
         groups = [
             Group(it.index, list(it.prompt_ids), it.answer, [], src)
@@ -363,12 +372,15 @@ class RolloutScheduler:
                         torch.randn(len(s.logprobs), generator=gen, dtype=torch.float64)
                         * c.logprob_noise
                     )
-                    s.logprobs = [x + float(e) for x, e in zip(s.logprobs, noise)]
-        toks = sum(len(s.completion_ids) for g in groups for s in g.samples)
+                    # the policy's tokens only (an environment token has no ℓb to misreport)
+                    s.logprobs = [x + float(e) * m for x, e, m in zip(s.logprobs, noise, s.mask())]
+        toks = sum(s.policy_tokens for g in groups for s in g.samples)
+        env_toks = sum(len(s.completion_ids) for g in groups for s in g.samples) - toks
         dt = time.perf_counter() - t0
         stats = {
             "rollout_s": dt,
             "rollout_tokens": float(toks),
+            "rollout_env_tokens": float(env_toks),
             "dynamic_rounds": float(rounds),
             "dynamic_refilled": float(len(dropped)),
             "reeval_groups": float(len(reeval)),

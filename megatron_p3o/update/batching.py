@@ -117,7 +117,10 @@ def _response(
         skip = a != a or (mask_truncated and s.finish_reason == "length")
         if c and not skip:
             pad = zero[: longest - c]
-            mask.append([1.0] * c + pad)
+            # the policy's tokens only: a multi-turn trajectory's environment tokens (mask 0)
+            # reach no ratio, ESS, KL, entropy or normaliser
+            mask.append(([1.0] * c if s.policy_mask is None else [float(m) for m in s.policy_mask])
+                        + pad)  # fmt: skip
             blp.append(list(s.logprobs) + pad)
             adv.append([float(a)] * c + pad)
             index.append(list(range(start + p - 1, start + p - 1 + c)) + [0] * (longest - c))

@@ -29,15 +29,30 @@ N_SAMPLES = 8
 LENGTHS = [(3, 1), (5, 27), (2, 9), (4, 3), (6, 14), (3, 29), (2, 2), (4, 20)]
 
 
+def env_span(c: int):
+    """Positions of a multi-turn sample's environment tokens (an observation with its template
+    pieces, mid-completion), or None for a single-turn sample: every completion of 9 tokens
+    or more is a trajectory (issue 53) — 4 of the 8, next to 4 single-turn samples."""
+    return range(c // 3, c // 3 + 4) if c >= 9 else None
+
+
 def make_samples(family: str, seed: int = 5):
-    """Samples with long-tailed lengths, random ℓb near uniform, rewards in 2 groups of 4."""
+    """Samples with long-tailed lengths, random ℓb near uniform, rewards in 2 groups of 4; the
+    longer ones are multi-turn trajectories (:func:`env_span`: ℓb 0, version −1, policy mask
+    0 there), so every layout test also checks that no environment token reaches the loss."""
     g = torch.Generator().manual_seed(seed)
     vocab = FAMILIES[family]["vocab_size"]
     out = []
     for i, (p, c) in enumerate(LENGTHS):
         ids = torch.randint(1, vocab, (p + c,), generator=g).tolist()
         lb = (-math.log(vocab) + 0.5 * torch.randn(c, generator=g)).tolist()
-        s = Sample(ids[:p], ids[p:], lb, "stop", 0, group_id=i // 4)
+        span, mask, versions = env_span(c), None, None
+        if span is not None:
+            mask = [0 if j in span else 1 for j in range(c)]
+            lb = [x if m else 0.0 for x, m in zip(lb, mask)]
+            versions = [0 if m else -1 for m in mask]
+        s = Sample(ids[:p], ids[p:], lb, "stop", 0, group_id=i // 4, token_versions=versions,
+                   policy_mask=mask)  # fmt: skip
         s.reward = float(torch.rand((), generator=g))
         out.append(s)
     return out
@@ -108,7 +123,7 @@ def reference(groups, family, init, compare_dirs=(), objective="p3o", hyper=None
         logp = torch.log_softmax(logits.double(), -1)[p - 1 : p - 1 + c]
         rows.append(logp.gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0])
         lb[i, :c] = torch.tensor(s.logprobs, dtype=torch.float64)
-        mask[i, :c] = 1.0
+        mask[i, :c] = torch.tensor(s.mask(), dtype=torch.float64)  # the policy's tokens
     lp = torch.stack([torch.nn.functional.pad(r, (0, longest - r.numel())) for r in rows])
     adv = advantages_for(objective, samples).double()
     # ℓold: the recompute at the step's weights is ℓθ itself (objectives that need it)

@@ -197,6 +197,8 @@ def test_token_means_over_dp_weigh_each_ranks_tokens(pools):
         def versions(self):
             return self.token_versions
 
+        policy_versions = versions
+
     ranks = [staleness([S([5])], trained=5), staleness([S([4, 4, 4])], trained=5)]
     for r in ranks:
         r.update(staleness_max=r["staleness_max"], completion_len_max=1.0)
@@ -205,3 +207,35 @@ def test_token_means_over_dp_weigh_each_ranks_tokens(pools):
         assert out["staleness_token_mean"] == want_token
         assert out["staleness_tokens"] == 4.0
         assert out["staleness_mean"] == (0 + 1) / 2 and out["staleness_token_max"] == 1.0
+
+
+# every objective the float64 reference writes out (tests/unit/test_objectives.ref_loss)
+EVERY = ["p3o", "p4o", "reinforce", "ppo", "grpo", "dapo", "tis", "mis", "gspo", "gspo_token",
+         "cispo", "decoupled_ppo", "oapl"]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("objective", EVERY)
+def test_every_objective_on_a_multi_turn_batch_in_every_layout(
+    pools, tmp_path, init_ckpts, objective
+):
+    """Issue 53: the batch holds multi-turn trajectories (environment tokens mid-completion,
+    ``packing_bodies.env_span``) next to single-turn samples; packed, at TP=2 / PP=2 / CP=2 /
+    DP=2, each objective's loss and every gradient equal the float64 per-sequence reference
+    over the policy's tokens only (IcePop, seq-mask-TIS, M2PO, capped P3O: the tests above)."""
+    init = init_ckpts("llama")
+    outs, losses = [], {}
+    for layout in LAYOUTS:
+        out = str(tmp_path / _ids(layout))
+        res = _run(pools, layout, init, out, mode="packed", objective=objective)
+        outs.append(out)
+        losses[out] = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
+    ref = pools(2).run(
+        pb.reference, Layout(), family="llama", init=init, compare_dirs=outs, objective=objective
+    )[0]
+    for out in outs:
+        assert losses[out] and all(
+            abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) + 1e-9 for x in losses[out]
+        ), (out, losses[out], ref["loss"])
+        bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+        assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"

@@ -1,0 +1,136 @@
+"""Multi-turn rollouts against one real SGLang 0.5.23 server on CPU (issue 53): token in, token
+out through ``/generate`` with ``input_ids``; the prefix invariant over every turn; on policy
+(fp32 server, no push) the trainer's ℓθ equals the server's ℓb and no gradient reaches an
+environment token; a weight push inside turn 2 versions each token and keeps turn 1's ℓb.
+
+The served model is a tiny Llama over the tool task's BPE tokenizer with random weights (so its
+turns are arbitrary token sequences, often not the canonical encoding of their text), its
+output rows sharpened and the end-of-turn row zeroed (a turn runs its whole budget: a push can
+land inside it).
+"""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
+from megatron_p3o.rollout.turns import ENV_VERSION
+from megatron_p3o.runtime.parallel import Layout
+from megatron_p3o.runtime.ports import free_port
+
+from ..distributed import multiturn_bodies as mb
+from .conftest import kill_launched, log_tail
+
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def served_tool(pools, tmp_path_factory):
+    """(fleet, Megatron checkpoint dir): the tool-tokenizer model served in fp32."""
+    from megatron_p3o.data.tasks import tool_calc
+
+    d = tmp_path_factory.mktemp("served_tool")
+    tool_calc.make_tokenizer(d / "tok", tool_calc.splits(2000, 10)[0])
+    ckpt = d / "ckpt"
+    pools(1).run(mb.tool_model, Layout(), tok_dir=str(d / "tok"), out=str(ckpt), peaked=True)
+    sg = SGLangConfig(model_path=str(ckpt / "hf"), dtype="float32", port=free_port(),
+                      startup_timeout_s=300, max_restarts=0)  # fmt: skip
+    fleet = build_fleet(sg, [], d / "logs", "tensor")
+    try:
+        fleet.start()
+        # the trainer's first push: a launched server answers with version "default" until one
+        fleet.update_weights(
+            iter([sorted(load_file(str(ckpt / "hf/model.safetensors")).items())]), 0
+        )
+        yield fleet, str(ckpt)
+    except BaseException:
+        print(log_tail(d / "logs"))
+        raise
+    finally:
+        fleet.stop()
+        kill_launched(d / "logs")
+
+
+def test_sglang_multiturn_token_in_token_out_and_on_policy(served_tool, pools):
+    fleet, ckpt = served_tool
+    calls = mb.record_calls(fleet)
+    try:
+        samples = mb.rollout(fleet, f"{ckpt}/hf", n_prompts=17, n=3, turns=3)
+    finally:
+        del fleet.generate  # the recording wrapper (an instance attribute)
+    inv = mb.prefix_violations(samples, calls, f"{ckpt}/hf")
+    assert inv["episodes"] >= 50 and inv["turns"] >= 150 and inv["violations"] == 0, inv
+    assert inv["retokenized"] >= 1, inv
+    assert all(s.meta["turns"] == 3 for s in samples)
+    res = pools(1).run(mb.on_policy_step, Layout(), ckpt=ckpt, samples=samples)[0]
+    assert res["max_lp_diff"] < 1e-5, res
+    assert abs(res["ess"] - 1.0) < 1e-6, res
+    assert res["env_rows"] > 0 and res["env_grad_max"] == 0.0, res
+
+
+def test_a_weight_push_inside_turn_2(served_tool, tmp_path):
+    """Turn 1 at version 5, the tool's observation, then a push (version 6) lands k tokens into
+    turn 2: versions [5]·n₁ + [−1]·obs + [5]·k + [6]·rest; turn 1's ℓb are unchanged from
+    what the server reported before the push, and each token's ℓb is under its version."""
+    fleet, ckpt = served_tool
+    hf = f"{ckpt}/hf"
+    base = load_file(f"{hf}/model.safetensors")
+    g = torch.Generator().manual_seed(6)
+    v6 = sorted((n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in base.items())
+    fleet.update_weights(iter([sorted(base.items())]), 5)
+    server = fleet.workers[0]
+    real, turn1 = fleet.generate, []
+
+    def generate(prompts, n, sampling):
+        if not turn1:
+            turn1.extend(real(prompts, n, sampling))
+            return turn1
+        pusher = threading.Thread(target=lambda: (time.sleep(1.0),
+                                                  fleet.update_weights(iter([v6]), 6)))  # fmt: skip
+        server._request("POST", "/slow_down", {"forward_sleep_time": 0.1})
+        pusher.start()
+        try:
+            return real(prompts, n, sampling)
+        finally:
+            pusher.join(timeout=120)
+            server._request("POST", "/slow_down", {"forward_sleep_time": None})
+
+    fleet.generate = generate
+    try:
+        (s,) = mb.rollout(fleet, hf, n_prompts=1, n=1, turns=2, max_new_tokens=30)
+    finally:
+        del fleet.generate
+    n1 = len(turn1[0].completion_ids)
+    v = s.token_versions
+    obs = v[n1:].index(5) if 5 in v[n1:] else None
+    assert v[:n1] == [5] * n1 and obs is not None and set(v[n1 : n1 + obs]) == {ENV_VERSION}
+    rest = v[n1 + obs :]
+    k = rest.index(6) if 6 in rest else None
+    assert k is not None and 0 < k < len(rest) and rest == [5] * k + [6] * (len(rest) - k), v
+    assert s.logprobs[:n1] == turn1[0].logprobs  # turn 1 kept what the server reported
+    cfg = json.loads(open(f"{hf}/config.json").read())
+    lb = torch.tensor(s.logprobs, dtype=torch.float64)
+    a = n1 + obs
+    old = _hf_logprobs(cfg, sorted(base.items()), s.prompt_ids + s.completion_ids[:a],
+                       s.completion_ids[a:])  # fmt: skip
+    new = _hf_logprobs(cfg, v6, s.prompt_ids + s.completion_ids[:a], s.completion_ids[a:])
+    assert torch.allclose(lb[a : a + k], old[:k], atol=1e-4)
+    assert torch.allclose(lb[a + k :], new[k:], atol=1e-4)
+
+
+def _hf_logprobs(cfg: dict, named: list, prompt: list, completion: list) -> torch.Tensor:
+    """Teacher-forced fp32 transformers log-probs of ``completion`` under ``named``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    model.load_state_dict(dict(named), strict=False)
+    model.eval()
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]

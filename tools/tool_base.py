@@ -1,0 +1,150 @@
+"""The tool-use base (``tools/make_base.py --task tool_calc --train``): a small Llama warmed up
+on the calculator task's conversations, some calling the tool and some answering directly.
+
+Why a mix: RL needs something to learn. Trained on tool conversations only, the base would call
+the calculator every time and copy its answer (nothing left to improve); on direct answers only,
+it would never call it (and a policy gradient cannot discover a tool it never samples). With a
+share ``--tool-share`` of tool conversations, sampling at temperature 1 calls the tool about
+that often, greedy decoding mostly answers directly (and mostly wrongly: two-digit products are
+beyond a 4-layer model in minutes), and RL raises the tool-call rate, and with it the accuracy.
+
+The loss is on the assistant's tokens only (both turns of a tool conversation); the user's and
+the tool's tokens are context. Held-out accuracy is measured through the trainer's own turn loop
+(:class:`megatron_p3o.rollout.turns.TurnLoop`, greedy, fp32 embedded engine, the bundled
+:class:`~megatron_p3o.env.calc_env.CalculatorEnv`): the number the RL recipe starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+ENV = "megatron_p3o.env.calc_env:CalculatorEnv"
+MAX_TURNS, MAX_TOTAL, MAX_NEW = 3, 48, 16  # = recipes/tiny_cpu_tools.yaml
+
+
+def _examples(tok, rows, tool_share: float, rng: random.Random):
+    """(ids, labels) of warm-up conversations: labels −100 except the assistant's tokens."""
+    from megatron_p3o.data.tasks.tool_calc import conversation
+
+    out = []
+    for r in rows:
+        msgs = conversation(r["prompt"], r["answer"], rng.random() < tool_share)
+        ids, labels = [], []
+        for k in range(len(msgs)):  # the render grows message by message (the template
+            upto = tok.apply_chat_template(  # extends each prefix: checked in make_tokenizer)
+                msgs[: k + 1], tokenize=True, return_dict=False
+            )
+            new = upto[len(ids) :]
+            ids = list(upto)
+            labels += new if msgs[k]["role"] == "assistant" else [-100] * len(new)
+        # the opening <|assistant|> of each assistant turn is template, not the model's
+        for i, t in enumerate(ids):
+            if t == tok.convert_tokens_to_ids("<|assistant|>"):
+                labels[i] = -100
+        out.append((ids, labels))
+    return out
+
+
+def heldout(model, tok, rows, limit: int) -> dict:
+    """Greedy held-out accuracy and tool-call rate through the trainer's turn loop."""
+    from megatron_p3o.data.prompts import encode_prompt
+    from megatron_p3o.env.config import MultiTurnConfig
+    from megatron_p3o.env.types import EnvItem
+    from megatron_p3o.rollout.embedded import EmbeddedEngine
+    from megatron_p3o.rollout.turns import build_turn_loop
+    from megatron_p3o.types import SamplingParams
+
+    cfg = model.config.to_dict()
+    engine = EmbeddedEngine(cfg, "fp32", pad_token_id=tok.pad_token_id)
+    engine.update_weights([list(model.state_dict().items())], 0)
+    mt = MultiTurnConfig(env=ENV, max_turns=MAX_TURNS, max_total_tokens=MAX_TOTAL)
+    loop = build_turn_loop(mt, tok, True)
+    rows = rows[:limit]
+    prompts = [encode_prompt(tok, r["prompt"], chat=True) for r in rows]
+    items = [EnvItem(i, r["prompt"], r["answer"], i) for i, r in enumerate(rows)]
+    sp = SamplingParams(top_k=1, max_new_tokens=MAX_NEW, stop_token_ids=(tok.eos_token_id,), seed=0)
+    out = loop.run(engine, prompts, items, 1, sp)
+    n = len(out)
+    return {
+        "acc": sum(s.reward for s in out) / n,
+        "tool_call_rate": sum(s.meta["tool_calls"] > 0 for s in out) / n,
+    }
+
+
+def train(out: Path, seed: int, tool_share: float, steps: int, batch: int, lr: float) -> dict:
+    """Tokenizer, warm-up, ``hf/`` and the data files under ``out``; returns base.json's facts."""
+    from rich.progress import Progress
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_p3o.data.tasks.tool_calc import make_tokenizer, splits, write_jsonl
+
+    t0 = time.time()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    train_rows, held_rows = splits(seed=0)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(train_rows, out / "train.jsonl")
+    write_jsonl(held_rows, out / "heldout.jsonl")
+    tok = make_tokenizer(out / "hf", train_rows)
+    rng = random.Random(seed)
+    data = _examples(tok, train_rows, tool_share, rng)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **MODEL,
+    )
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    with Progress() as bar:
+        task = bar.add_task("SFT tool_calc", total=steps)
+        for step in range(1, steps + 1):
+            idx = torch.randint(0, len(data), (batch,), generator=g).tolist()
+            L = max(len(data[i][0]) for i in idx)
+            x = torch.full((batch, L), tok.pad_token_id)
+            y = torch.full((batch, L), -100)
+            for j, i in enumerate(idx):
+                ids, labels = data[i]
+                x[j, : len(ids)] = torch.tensor(ids)
+                y[j, : len(ids)] = torch.tensor(labels)
+            loss = model(input_ids=x, labels=y).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            bar.advance(task)
+            if step % 250 == 0:
+                h = heldout(model, tok, held_rows, 100)
+                bar.console.print(f"step {step}: loss {loss.item():.3f}, held-out (100) {h}")
+    model.eval()
+    model.save_pretrained(out / "hf")
+    h = heldout(model, tok, held_rows, len(held_rows))
+    return {
+        "task": "tool_calc",
+        "seed": seed,
+        "tool_share": tool_share,
+        "sft_steps": steps,
+        "heldout_greedy_acc": round(h["acc"], 4),
+        "heldout_tool_call_rate": round(h["tool_call_rate"], 4),
+        "heldout_size": len(held_rows),
+        "sft_wall_s": round(time.time() - t0, 1),
+    }
+
+
+def write_base_json(out: Path, info: dict) -> None:
+    (out / "base.json").write_text(json.dumps(info, indent=1) + "\n")
