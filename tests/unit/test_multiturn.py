@@ -365,3 +365,51 @@ def test_tool_calc_splits_never_share_an_expression():
         assert int(r["answer"]) == int(a) * int(b) + int(c)
     assert math.isclose(sum(len(r["answer"]) for r in held) / len(held), 3.9, abs_tol=0.3)
     assert Path(tool_calc.__file__).read_text().count("eval(") == 0
+
+
+# -- routing: a trajectory's turns to the server that holds its prefix ---------------------------
+def test_routing_keys_follow_a_trajectory_and_requests_never_mix_keys():
+    """Every turn of a trajectory (its input grows) carries one key; a request batches only
+    inputs of one key (a request reaches one server); no key when routing is off."""
+    from megatron_p3o.rollout.sglang.protocol import request_chunks, routing_key
+
+    prompt = list(range(40))
+    turns = [prompt, prompt + [7, 8, 9], prompt + [7, 8, 9, 1, 2] + list(range(50))]
+    assert len({routing_key(t, 32) for t in turns}) == 1
+    assert routing_key([9] + prompt, 32) != routing_key(prompt, 32)
+    assert routing_key(prompt, 0) is None
+    jobs = [(g, [g] * 40, None) for g in (0, 0, 0, 1, 1, 2)]
+    chunks = request_chunks(jobs, 2, 32)
+    assert [[j[0] for j in c] for c in chunks] == [[0, 0], [0], [1, 1], [2]]
+    assert [len(c) for c in request_chunks(jobs, 4, 0)] == [4, 2]
+
+
+def test_the_client_sends_the_key_and_a_launched_router_sticks_to_it(monkeypatch):
+    from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine
+    from megatron_p3o.rollout.sglang.launch import router_command
+    from megatron_p3o.rollout.sglang.protocol import ROUTING_KEY_HEADER
+
+    from ..sglang_standin import SGLangStandIn
+
+    srv = SGLangStandIn(lambda body: ([1, 2], [-0.1, -0.2], "stop"))
+    srv.version = "0"  # as after the trainer's first push
+    try:
+        eng = SGLangEngine(SGLangConfig(url=srv.url, routing_key_tokens=4))
+        import urllib.request
+
+        opened = []
+        orig = urllib.request.urlopen
+
+        def spy(req, *a, **k):
+            opened.append(dict(req.header_items()))
+            return orig(req, *a, **k)
+
+        monkeypatch.setattr(urllib.request, "urlopen", spy)
+        eng.generate([[5, 6, 7, 8, 9], [5, 6, 7, 8, 1, 2]], 1, SamplingParams(max_new_tokens=2))
+        keys = {h.get(ROUTING_KEY_HEADER.capitalize()) for h in opened}
+        assert len(keys) == 1 and None not in keys, opened  # one prefix, one key
+    finally:
+        srv.close()
+    cmd = router_command("py", "h", 1, ["http://a:1", "http://b:2"], 9, sticky=True)
+    assert cmd[cmd.index("--policy") + 1] == "manual"
+    assert "--policy" not in router_command("py", "h", 1, ["http://a:1"], 9)

@@ -47,6 +47,7 @@ from megatron_p3o.rollout.sglang.launch import (
 )
 from megatron_p3o.rollout.sglang.protocol import (
     NO_SESSION_OPEN,
+    ROUTING_KEY_HEADER,
     EngineResponseError,
     EngineUnavailableError,
     batch_payload,
@@ -55,7 +56,9 @@ from megatron_p3o.rollout.sglang.protocol import (
     init_group_payload,
     parse_generate_response,
     release_payload,
+    request_chunks,
     resume_payload,
+    routing_key,
     tensor_payload,
 )
 from megatron_p3o.rollout.sglang.weights import resolve_backend
@@ -97,6 +100,12 @@ class ClientSettings:
             (``benchmarks/bench_sglang_requests.py``).
         max_retries: retries of one request after a connection failure.
         max_restarts: relaunches of a launched server that died (then a clear error).
+        routing_key_tokens: each /generate carries a routing key (header
+            ``x-smg-routing-key``): a hash of its first N input tokens (0: no key). Multi-turn
+            rollouts set it (32) so that every turn of a trajectory — whose inputs share their
+            first tokens: the history only grows — reaches the server that holds its prefix in
+            its cache; a router the trainer launches then runs sglang-router's ``manual``
+            policy (a key sticks to one server); an attached router must run it too.
     """
 
     url: Optional[str] = None
@@ -105,6 +114,7 @@ class ClientSettings:
     request_batch: int = 1
     max_retries: int = 3
     max_restarts: int = 2
+    routing_key_tokens: int = 0
 
 
 class SGLangEngine(RolloutEngine):
@@ -328,7 +338,12 @@ class SGLangEngine(RolloutEngine):
 
     # -- HTTP ---------------------------------------------------------------------------------
     def _request(
-        self, method: str, path: str, body: Optional[dict], timeout: Optional[float] = None
+        self,
+        method: str,
+        path: str,
+        body: Optional[dict],
+        timeout: Optional[float] = None,
+        key: Optional[str] = None,
     ):
         """The answer's JSON, whatever it is (an object, a list, ``null``: SGLang's memory routes
         return nothing); ``{}`` for an empty body, ``{"text": …}`` for one that is not JSON."""
@@ -336,6 +351,8 @@ class SGLangEngine(RolloutEngine):
         headers = {"Content-Type": "application/json"}
         if os.environ.get(API_KEY_ENV):
             headers["Authorization"] = f"Bearer {os.environ[API_KEY_ENV]}"
+        if key is not None:  # sglang-router's manual policy: one key, one server
+            headers[ROUTING_KEY_HEADER] = key
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout_s) as r:
             raw = r.read()
@@ -344,13 +361,13 @@ class SGLangEngine(RolloutEngine):
         except ValueError:  # the router answers /health in plain text
             return {"text": raw.decode(errors="replace")}
 
-    def _post_with_recovery(self, path: str, body: dict):
+    def _post_with_recovery(self, path: str, body: dict, key: Optional[str] = None):
         """POST; on a connection failure recover (relaunch a dead launched server) and retry."""
         err = None
         for _ in range(self.cfg.max_retries + 1):
             epoch = self._epoch
             try:
-                return self._request("POST", path, body)
+                return self._request("POST", path, body, key=key)
             except urllib.error.HTTPError as e:  # the server answered: not a liveness problem
                 detail = e.read().decode(errors="replace")[:500]
                 raise EngineResponseError(
@@ -427,17 +444,19 @@ class SGLangEngine(RolloutEngine):
 
         shape = self.cfg.routed_experts
         per = self.request_batch  # >= 1 (TrainConfig.validate)
-        chunks = [jobs[i : i + per] for i in range(0, len(jobs), per)]
+        n_key = self.cfg.routing_key_tokens
+        chunks = request_chunks(jobs, per, n_key)
 
         def one(chunk):
             bodies = [
                 generate_payload(p, sampling, seed, routed_experts=shape is not None)
                 for _, p, seed in chunk
             ]
+            key = routing_key(chunk[0][1], n_key)
             if len(chunk) == 1:
-                resps = [self._post_with_recovery("/generate", bodies[0])]
+                resps = [self._post_with_recovery("/generate", bodies[0], key)]
             else:
-                resps = self._post_with_recovery("/generate", batch_payload(bodies))
+                resps = self._post_with_recovery("/generate", batch_payload(bodies), key)
                 if not isinstance(resps, list) or len(resps) != len(chunk):
                     raise EngineResponseError(
                         f"SGLang {self.label}: a batch of {len(chunk)} /generate requests got "

@@ -341,7 +341,8 @@ def build_fleet(cfg, worker_urls: Sequence[str], log_dir, transport: str) -> SGL
     port = cfg.router_port or free_port(cfg.host)
     key = os.environ.get(API_KEY_ENV)
     proc = ServerProcess(
-        router_command(resolve_python(cfg), cfg.host, port, [s.url for s in servers]),
+        router_command(resolve_python(cfg), cfg.host, port, [s.url for s in servers],
+                       sticky=cfg.routing_key_tokens > 0),  # fmt: skip
         launch_env(),
         log_dir / "router.log",
         secrets=[key] if key else [],

@@ -284,13 +284,22 @@ _ROUTER_LAUNCHER = (
 
 
 def router_command(
-    python: str, host: str, port: int, workers: Sequence[str], prometheus_port: int = 0
+    python: str,
+    host: str,
+    port: int,
+    workers: Sequence[str],
+    prometheus_port: int = 0,
+    sticky: bool = False,
 ) -> List[str]:
     """sglang-router in front of ``workers``; its API key (enforced on /generate) comes from
-    ``$P3O_SGLANG_API_KEY`` in its environment, never from argv."""
+    ``$P3O_SGLANG_API_KEY`` in its environment, never from argv. ``sticky``: its ``manual``
+    policy — requests with one routing key (``x-smg-routing-key``) go to one server, a new key
+    to the least loaded (multi-turn trajectories: every turn where its prefix is cached)."""
+    policy = ["--policy", "manual", "--assignment-mode", "min_load"] if sticky else []
     return [
         python, "-c", _ROUTER_LAUNCHER, "--host", host, "--port", str(port),
         "--worker-urls", *workers, "--prometheus-port", str(prometheus_port or free_port(host)),
+        *policy,
     ]  # fmt: skip
 
 

@@ -20,6 +20,7 @@ cannot be attributed to a policy.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -289,3 +290,36 @@ def distributed_payload(bucket, group_name: str, version: int, last: bool) -> di
 def tensor_payload(serialized: Sequence[str], version: int, last: bool) -> dict:
     """``/update_weights_from_tensor``: one serialized payload per server TP rank."""
     return {"serialized_named_tensors": list(serialized), **last_bucket_fields(version, last)}
+
+
+# sglang-router's routing key (its ``manual`` policy: every request of one key to one server)
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+
+
+def routing_key(ids: Sequence[int], n: int) -> Optional[str]:
+    """A request's routing key: a hash of its first ``n`` input tokens (None when ``n`` is 0).
+    A multi-turn trajectory's inputs share their first tokens (its history only grows), so all
+    its turns carry one key."""
+    if not n:
+        return None
+    return hashlib.sha1(",".join(map(str, ids[:n])).encode()).hexdigest()[:16]
+
+
+def request_chunks(jobs: list, per: int, n_key: int = 0) -> list:
+    """``jobs`` (``(group, input ids, seed)``) cut into requests of ``per`` completions; with
+    routing keys (``n_key`` > 0) only inputs of one key share a request (a request goes to one
+    server)."""
+    if not n_key:
+        return [jobs[i : i + per] for i in range(0, len(jobs), per)]
+    out: list = []
+    for job in jobs:
+        last = out[-1] if out else None
+        if (
+            last
+            and len(last) < per
+            and routing_key(last[0][1], n_key) == routing_key(job[1], n_key)
+        ):
+            last.append(job)
+        else:
+            out.append([job])
+    return out
