@@ -256,7 +256,8 @@ class TurnLoop:
         ids = t.ids[a:b]
         if ids and ids[-1] == self.eos:
             ids = ids[:-1]
-        return self.tok.decode(ids, skip_special_tokens=True)
+        # special tokens stay: a tool's tags may be special tokens (the tool task's <calc>)
+        return self.tok.decode(ids, skip_special_tokens=False)
 
     def _after_step(self, t: _Trajectory, kind: str, res, last: bool) -> None:
         if kind == "timeout":

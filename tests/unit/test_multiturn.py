@@ -271,10 +271,12 @@ def test_chat_pieces_are_computed_once_and_match_a_full_render(tok):
     assert p.turn_end == (ids("<|end|>"),)
     assert p.obs_open == (ids("<|tool|>"),)
     assert p.obs_close == (ids("<|end|>"), ids("<|assistant|>"))
+    import copy
+
+    broken = copy.deepcopy(tok)  # the fixture's tokenizer stays as it is
+    broken.chat_template = "{{ raise_exception('no') }}"
     with pytest.raises(ConfigError, match="observation_role"):
-        tok2 = type(tok).from_pretrained(tok.name_or_path) if tok.name_or_path else tok
-        tok2.chat_template = "{{ raise_exception('no') }}"
-        ChatPieces.from_tokenizer(tok2, "tool")
+        ChatPieces.from_tokenizer(broken, "tool")
 
 
 def test_no_chat_template_appends_plain_text(tok):
@@ -413,3 +415,20 @@ def test_the_client_sends_the_key_and_a_launched_router_sticks_to_it(monkeypatch
     cmd = router_command("py", "h", 1, ["http://a:1", "http://b:2"], 9, sticky=True)
     assert cmd[cmd.index("--policy") + 1] == "manual"
     assert "--policy" not in router_command("py", "h", 1, ["http://a:1"], 9)
+
+
+def test_the_calculator_env_through_the_loop_sees_its_special_tags(tok):
+    """The tool's tags are special tokens of the task's tokenizer: the turn the environment
+    gets keeps them (a decode that drops special tokens would never call the tool)."""
+    from megatron_p3o.env.calc_env import CalculatorEnv
+
+    end = tok.eos_token_id
+    call = tok.encode("<calc>2*3+4</calc>", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("<calc>") in call
+    answer = tok.encode("10", add_special_tokens=False)
+    eng = ScriptedEngine(lambda k, row: (call if k == 0 else answer) + [end])
+    c = MultiTurnConfig(env="megatron_p3o.env.calc_env:CalculatorEnv")
+    loop = TurnLoop(c, CalculatorEnv, tok, ChatPieces.from_tokenizer(tok, "tool"))
+    (s,) = loop.run(eng, [[1, 2]], [EnvItem(0, "2*3+4", "10", 0)], 1, _sampling(tok, 16))
+    text = tok.decode(s.completion_ids, skip_special_tokens=False)
+    assert s.meta["tool_calls"] == 1 and s.reward == 1.0 and "<|tool|>10<|end|>" in text
