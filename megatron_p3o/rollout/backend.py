@@ -273,8 +273,8 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
         check_transport(cfg, sg, groups.device.type == "cuda")
         if cfg.weight_sync == "colocated":  # else /release_memory_occupation frees nothing
             sg = replace(sg, memory_saver=True)
-        if cfg.multi_turn is not None and not sg.routing_key_tokens:
-            sg = replace(sg, routing_key_tokens=32)  # every turn to the server with its prefix
+        if cfg.multi_turn is not None:  # every turn to the server that holds its prefix
+            sg = replace(sg, sticky_routing=True)
         inner = build_fleet(sg, cfg.sglang_workers, sg.log_dir or log_dir, cfg.weight_sync)
         inner.start()
         try:

@@ -75,27 +75,37 @@ class CentralEngine(RolloutEngine):
 
     # -- collectives over the gloo objects group ------------------------------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        keys: Optional[Sequence[str]] = None,
     ) -> List[Sample]:
         g = self.groups
-        mine = (g.dp_rank, [list(p) for p in prompts] if self.leader else None)
-        gathered = gather_objects(mine, 0, self.objects, "every DP leader's prompts to the one "
-                                  "rank that talks to the server")  # fmt: skip
+        mine = (
+            g.dp_rank,
+            [list(p) for p in prompts] if self.leader else None,
+            list(keys) if self.leader and keys is not None else None,
+        )
+        why = "every DP leader's prompts (and routing keys) to the rank that talks to the server"
+        gathered = gather_objects(mine, 0, self.objects, why)
         out: List[Optional[dict]] = [None] * g.world_size
         if g.rank == 0:
-            flat, owners = [], []
-            for dp_rank, ps in gathered:
+            flat, flat_keys, owners = [], [], []
+            for dp_rank, ps, ks in gathered:
                 if ps is not None:
                     owners.append((dp_rank, len(flat), len(ps)))
                     flat += ps
-            samples = self.inner.generate(flat, n, sampling) if flat else []
+                    flat_keys += ks if ks is not None else [None] * len(ps)
+            routed = flat_keys if any(k is not None for k in flat_keys) else None
+            samples = self.inner.generate(flat, n, sampling, routed) if flat else []
             by_dp = {}
             for dp_rank, start, count in owners:
                 part = [s for s in samples if start <= s.group_id < start + count]
                 for s in part:
                     s.group_id -= start
                 by_dp[dp_rank] = part
-            out = [by_dp.get(d, []) for d, _ in gathered]
+            out = [by_dp.get(d, []) for d, _, _ in gathered]
         samples = scatter_objects(out if g.rank == 0 else None, 0, self.objects,
                                   "each rank receives its DP rank's samples")  # fmt: skip
         for s in samples:

@@ -381,7 +381,11 @@ class EmbeddedEngine(RolloutEngine):
         return toks, lps, finish, routed
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        keys: Optional[Sequence[str]] = None,  # one engine: nothing to route
     ) -> List[Sample]:
         if n < 1:
             raise ValueError(f"generate: n={n} must be >= 1")

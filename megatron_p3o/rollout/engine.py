@@ -7,7 +7,7 @@ precision) and the SGLang server engine (GPU).
 from __future__ import annotations
 
 import abc
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,9 +23,15 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        keys: Optional[Sequence[str]] = None,
     ) -> List[Sample]:
-        """``n`` completions of each prompt (``group_id`` = prompt index)."""
+        """``n`` completions of each prompt (``group_id`` = prompt index). ``keys``: a routing
+        key per prompt (multi-turn: every turn of a trajectory carries its prompt's, so a router
+        sends it to the server that holds its prefix); engines without a router ignore it."""
 
     @abc.abstractmethod
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:

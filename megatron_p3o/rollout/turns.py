@@ -39,6 +39,7 @@ from typing import Callable, List, Optional, Sequence
 from megatron_p3o.env.config import MultiTurnConfig
 from megatron_p3o.env.types import EnvItem, StepResult
 from megatron_p3o.rollout.engine import RolloutEngine
+from megatron_p3o.rollout.sglang.protocol import routing_key
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.types import Sample, SamplingParams
 
@@ -216,7 +217,8 @@ class TurnLoop:
             sp = replace(sampling, max_new_tokens=per_turn, seed=seed)
             for t in active:
                 t.inputs.append(len(t.prompt) + len(t.ids))
-            outs = engine.generate([t.prompt + t.ids for t in active], 1, sp)
+            keys = [routing_key(t.prompt) for t in active]  # a router: the prefix's server
+            outs = engine.generate([t.prompt + t.ids for t in active], 1, sp, keys)
             stepping = []
             for t, s in zip(active, outs):
                 if self._take_turn(t, s):

@@ -90,8 +90,8 @@ def record_calls(engine) -> list:
     """Wrap ``engine.generate``: every call's (inputs, outputs) recorded, in row order."""
     calls, real = [], engine.generate
 
-    def generate(prompts, n, sampling):
-        out = real(prompts, n, sampling)
+    def generate(prompts, n, sampling, keys=None):
+        out = real(prompts, n, sampling, keys)
         calls.append(([list(p) for p in prompts], [list(s.completion_ids) for s in out]))
         return out
 

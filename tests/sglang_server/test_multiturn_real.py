@@ -85,16 +85,16 @@ def test_a_weight_push_inside_turn_2(served_tool, tmp_path):
     server = fleet.workers[0]
     real, turn1 = fleet.generate, []
 
-    def generate(prompts, n, sampling):
+    def generate(prompts, n, sampling, keys=None):
         if not turn1:
-            turn1.extend(real(prompts, n, sampling))
+            turn1.extend(real(prompts, n, sampling, keys))
             return turn1
         pusher = threading.Thread(target=lambda: (time.sleep(1.0),
                                                   fleet.update_weights(iter([v6]), 6)))  # fmt: skip
         server._request("POST", "/slow_down", {"forward_sleep_time": 0.1})
         pusher.start()
         try:
-            return real(prompts, n, sampling)
+            return real(prompts, n, sampling, keys)
         finally:
             pusher.join(timeout=120)
             server._request("POST", "/slow_down", {"forward_sleep_time": None})

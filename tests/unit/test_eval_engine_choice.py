@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_p3o.rollout.backend import EmbeddedBackend
+from megatron_p3o.rollout.backend import EmbeddedBackend, RolloutBackend
 
 
 class _Clean:
@@ -22,8 +22,10 @@ def _backend(precision, rounding=0.0, noise=0.0):
         def __getattr__(self, name):
             raise AssertionError("evaluated through the rollout engine")
 
-    return SimpleNamespace(engine=engine, scheduler=Rollout(), _sync=lambda v: None,
-                           _evaluator=lambda p, v: _Clean())  # fmt: skip
+    b = SimpleNamespace(engine=engine, scheduler=Rollout(), _sync=lambda v: None,
+                        _evaluator=lambda p, v: _Clean(), turns=None)  # fmt: skip
+    b._generate = lambda *a: RolloutBackend._generate(b, *a)  # the real one, single-turn
+    return b
 
 
 @pytest.mark.parametrize("rounding,noise", [(0.3, 0.0), (0.0, 1.2)])

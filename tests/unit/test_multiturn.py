@@ -36,7 +36,7 @@ class ScriptedEngine(RolloutEngine):
         self.out = []  # per call, per row: (input ids, output ids, log-probs)
         self.g = torch.Generator().manual_seed(0)
 
-    def generate(self, prompts, n, sampling):
+    def generate(self, prompts, n, sampling, keys=None):
         self.calls.append([list(p) for p in prompts])
         self.out.append([])
         out = []
@@ -249,7 +249,7 @@ def test_a_weight_push_mid_trajectory_versions_each_turn(tok):
     eng = ScriptedEngine(_turn(tok))
     real = eng.generate
 
-    def pushing(prompts, n, sampling):
+    def pushing(prompts, n, sampling, keys=None):
         out = real(prompts, n, sampling)
         eng.version += 1
         return out
@@ -370,23 +370,33 @@ def test_tool_calc_splits_never_share_an_expression():
 
 
 # -- routing: a trajectory's turns to the server that holds its prefix ---------------------------
-def test_routing_keys_follow_a_trajectory_and_requests_never_mix_keys():
-    """Every turn of a trajectory (its input grows) carries one key; a request batches only
-    inputs of one key (a request reaches one server); no key when routing is off."""
+def test_every_turn_carries_its_prompts_routing_key_and_requests_never_mix_keys(tok):
+    """The loop keys every turn of a trajectory by its prompt (a router then sends all of them
+    to the server that holds the prefix); a request batches only jobs of one key."""
     from megatron_p3o.rollout.sglang.protocol import request_chunks, routing_key
 
-    prompt = list(range(40))
-    turns = [prompt, prompt + [7, 8, 9], prompt + [7, 8, 9, 1, 2] + list(range(50))]
-    assert len({routing_key(t, 32) for t in turns}) == 1
-    assert routing_key([9] + prompt, 32) != routing_key(prompt, 32)
-    assert routing_key(prompt, 0) is None
-    jobs = [(g, [g] * 40, None) for g in (0, 0, 0, 1, 1, 2)]
-    chunks = request_chunks(jobs, 2, 32)
-    assert [[j[0] for j in c] for c in chunks] == [[0, 0], [0], [1, 1], [2]]
-    assert [len(c) for c in request_chunks(jobs, 4, 0)] == [4, 2]
+    eng = ScriptedEngine(_turn(tok))
+    seen = []
+    real = eng.generate
+
+    def keyed(prompts, n, sampling, keys=None):
+        seen.append(list(keys))
+        return real(prompts, n, sampling)
+
+    eng.generate = keyed
+    loop = _loop(tok, lambda: EchoEnv(3), max_turns=3, max_total_tokens=80)
+    prompts, items = _prompts(tok, 4)
+    loop.run(eng, prompts, items, 2, _sampling(tok, 16))
+    want = [routing_key(p) for p in prompts for _ in range(2)]
+    assert len(seen) == 3 and all(k == want for k in seen) and len(set(want)) == 4
+    jobs = [(g, [g] * 4, None, k) for g, k in enumerate("aaabbc")]
+    assert [[j[0] for j in c] for c in request_chunks(jobs, 2)] == [[0, 1], [2], [3, 4], [5]]
+    assert [len(c) for c in request_chunks([(0, [], None, None)] * 6, 4)] == [4, 2]
 
 
 def test_the_client_sends_the_key_and_a_launched_router_sticks_to_it(monkeypatch):
+    import urllib.request
+
     from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine
     from megatron_p3o.rollout.sglang.launch import router_command
     from megatron_p3o.rollout.sglang.protocol import ROUTING_KEY_HEADER
@@ -395,23 +405,21 @@ def test_the_client_sends_the_key_and_a_launched_router_sticks_to_it(monkeypatch
 
     srv = SGLangStandIn(lambda body: ([1, 2], [-0.1, -0.2], "stop"))
     srv.version = "0"  # as after the trainer's first push
+    opened, orig = [], urllib.request.urlopen
+
+    def spy(req, *a, **k):
+        opened.append({h.lower(): v for h, v in req.header_items()})
+        return orig(req, *a, **k)
+
+    monkeypatch.setattr(urllib.request, "urlopen", spy)
     try:
-        eng = SGLangEngine(SGLangConfig(url=srv.url, routing_key_tokens=4))
-        import urllib.request
-
-        opened = []
-        orig = urllib.request.urlopen
-
-        def spy(req, *a, **k):
-            opened.append(dict(req.header_items()))
-            return orig(req, *a, **k)
-
-        monkeypatch.setattr(urllib.request, "urlopen", spy)
-        eng.generate([[5, 6, 7, 8, 9], [5, 6, 7, 8, 1, 2]], 1, SamplingParams(max_new_tokens=2))
-        keys = {h.get(ROUTING_KEY_HEADER.capitalize()) for h in opened}
-        assert len(keys) == 1 and None not in keys, opened  # one prefix, one key
+        eng = SGLangEngine(SGLangConfig(url=srv.url))
+        eng.generate([[5, 6], [7, 8]], 2, SamplingParams(max_new_tokens=2), keys=["k1", "k2"])
+        eng.generate([[5, 6]], 1, SamplingParams(max_new_tokens=2))
     finally:
         srv.close()
+    sent = [h.get(ROUTING_KEY_HEADER) for h in opened]
+    assert sorted(sent[:4]) == ["k1", "k1", "k2", "k2"] and sent[4] is None, sent
     cmd = router_command("py", "h", 1, ["http://a:1", "http://b:2"], 9, sticky=True)
     assert cmd[cmd.index("--policy") + 1] == "manual"
     assert "--policy" not in router_command("py", "h", 1, ["http://a:1"], 9)

@@ -1,4 +1,5 @@
-"""The paired bootstrap CI against hand-computed cases."""
+"""The stress statistics: the paired bootstrap against hand-computed cases; the seed-level tests,
+Holm, TOST and power against scipy, statsmodels, printed tables and simulation."""
 
 import pytest
 
@@ -49,6 +50,7 @@ def test_loss_and_best_baseline_selection():
 import math  # noqa: E402
 import random  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_p3o.stress import stats as st  # noqa: E402
@@ -128,8 +130,11 @@ def test_v2s_two_level_bootstrap_undercovers_at_three_seeds():
     assert boot / n < 0.85 and tee / n > 0.88, (boot / n, tee / n)
 
 
-def test_holm_controls_the_family_wise_error():
+def test_holm_controls_the_family_wise_error(monkeypatch):
     """20 null settings × 8 seeds per report: Holm keeps P(any false call) ≤ 5 + 2%."""
+    import gc
+
+    monkeypatch.setattr(gc, "collect", lambda *a: 0)  # statsmodels' Holm collects every call
     any_call = 0
     for rep in range(300):
         tests = [
@@ -250,3 +255,60 @@ def test_tost_power_matches_the_large_sample_normal_formula_and_sizes_the_seeds(
     assert power_tost(0.03, n, 0.02) >= 0.8 > power_tost(0.03, n - 1, 0.02)
     assert seeds_for_equivalence(0.005, 0.02) <= 4  # a tight difference: the 4 seeds suffice
     assert seeds_for_equivalence(0.03, 0.02, alpha=0.05 / 66) > n  # Holm's step costs seeds
+
+
+# -- the hand-written parts against scipy / statsmodels (issue 54, item 5) ----------------------
+
+
+def test_holm_is_statsmodels_and_the_logical_bound_only_lowers_it(monkeypatch):
+    import gc
+
+    from statsmodels.stats.multitest import multipletests
+
+    monkeypatch.setattr(gc, "collect", lambda *a: 0)  # statsmodels' Holm collects every call
+    rng = random.Random(5)
+    for m in (1, 2, 7, 20):
+        p = [rng.random() ** 3 for _ in range(m)]
+        assert st.holm(p) == pytest.approx(list(multipletests(p, method="holm")[1]))
+        assert st.holm(p, max_true=m) == pytest.approx(st.holm(p))
+        bounded = st.holm(p, max_true=max(1, m // 2))
+        assert all(b <= h + 1e-12 for b, h in zip(bounded, st.holm(p)))
+
+
+def test_the_summary_tost_is_statsmodels_ttost_paired():
+    from statsmodels.stats.weightstats import ttost_paired
+
+    rng = random.Random(6)
+    for n, shift in ((4, 0.0), (8, 0.01), (12, -0.015), (30, 0.03)):
+        a = [0.5 + rng.gauss(shift, 0.02) for _ in range(n)]
+        b = [0.5 + rng.gauss(0.0, 0.02) for _ in range(n)]
+        d = [x - y for x, y in zip(a, b)]
+        m, sd = st.mean_sd(d)
+        want = ttost_paired(np.array(a), np.array(b), -0.02, 0.02)[0]
+        assert st.tost_p(m, sd, n, 0.02) == pytest.approx(want, rel=1e-9)
+        t = st.seed_paired(dict(enumerate(a)), dict(enumerate(b)), margin=0.02)
+        assert t.p_tost == pytest.approx(want, rel=1e-9)
+
+
+def test_the_paired_t_power_is_statsmodels_where_statsmodels_is_finite():
+    from statsmodels.stats.power import TTestPower
+
+    for delta, sd, n, alpha in (
+        (0.05, 0.054, 8, 0.05),
+        (0.03, 0.02, 12, 0.001),
+        (0.1, 0.1, 30, 0.01),
+    ):
+        want = TTestPower().power(effect_size=delta / sd, nobs=n, alpha=alpha)
+        assert st.power_paired(delta, sd, n, alpha) == pytest.approx(want, rel=1e-6)
+
+
+def test_the_tost_power_integral_matches_statsmodels_tost_on_simulated_data():
+    """The integrated power of the TOST against the share of 3,000 simulated paired samples that
+    statsmodels' ttost_paired rejects at α (true Δ 0 and Δ 0.01; margin 0.02)."""
+    from statsmodels.stats.weightstats import ttost_paired
+
+    rng = np.random.default_rng(8)
+    for n, sd, delta in ((8, 0.015, 0.0), (16, 0.02, 0.01)):
+        x = delta + sd * rng.standard_normal((3000, n))
+        hits = np.mean([ttost_paired(r, np.zeros(n), -0.02, 0.02)[0] < 0.05 for r in x])
+        assert st.power_tost(sd, n, 0.02, 0.05, delta) == pytest.approx(hits, abs=0.025)

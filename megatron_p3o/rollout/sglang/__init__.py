@@ -45,7 +45,6 @@ class SGLangConfig(FleetSettings, WeightSettings, ClientSettings, LaunchSettings
         "request_batch": ">= 1",
         "max_retries": ">= 0",
         "max_restarts": ">= 0",
-        "routing_key_tokens": ">= 0",
     }
 
     def __post_init__(self):

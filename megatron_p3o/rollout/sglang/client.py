@@ -58,7 +58,6 @@ from megatron_p3o.rollout.sglang.protocol import (
     release_payload,
     request_chunks,
     resume_payload,
-    routing_key,
     tensor_payload,
 )
 from megatron_p3o.rollout.sglang.weights import resolve_backend
@@ -100,12 +99,11 @@ class ClientSettings:
             (``benchmarks/bench_sglang_requests.py``).
         max_retries: retries of one request after a connection failure.
         max_restarts: relaunches of a launched server that died (then a clear error).
-        routing_key_tokens: each /generate carries a routing key (header
-            ``x-smg-routing-key``): a hash of its first N input tokens (0: no key). Multi-turn
-            rollouts set it (32) so that every turn of a trajectory — whose inputs share their
-            first tokens: the history only grows — reaches the server that holds its prefix in
-            its cache; a router the trainer launches then runs sglang-router's ``manual``
-            policy (a key sticks to one server); an attached router must run it too.
+        sticky_routing: a router the trainer launches runs sglang-router's ``manual`` policy:
+            requests that carry one routing key (header ``x-smg-routing-key``) go to one server.
+            Multi-turn rollouts set it and key every turn of a trajectory by its prompt, so each
+            turn reaches the server that holds its prefix in its cache (an attached router must
+            run that policy itself).
     """
 
     url: Optional[str] = None
@@ -114,7 +112,7 @@ class ClientSettings:
     request_batch: int = 1
     max_retries: int = 3
     max_restarts: int = 2
-    routing_key_tokens: int = 0
+    sticky_routing: bool = False
 
 
 class SGLangEngine(RolloutEngine):
@@ -431,28 +429,32 @@ class SGLangEngine(RolloutEngine):
 
     # -- generation ---------------------------------------------------------------------------
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        keys: Optional[Sequence[str]] = None,
     ) -> List[Sample]:
         if n < 1:
             raise ValueError(f"generate: n={n} must be >= 1")
         jobs = [
-            (g, list(p), None if sampling.seed is None else sampling.seed * 1_000_003 + g * n + j)
+            (g, list(p), None if sampling.seed is None else sampling.seed * 1_000_003 + g * n + j,
+             None if keys is None else keys[g])
             for g, p in enumerate(prompts)
             for j in range(n)
-        ]
+        ]  # fmt: skip
         from rich.progress import Progress
 
         shape = self.cfg.routed_experts
         per = self.request_batch  # >= 1 (TrainConfig.validate)
-        n_key = self.cfg.routing_key_tokens
-        chunks = request_chunks(jobs, per, n_key)
+        chunks = request_chunks(jobs, per)
 
         def one(chunk):
             bodies = [
                 generate_payload(p, sampling, seed, routed_experts=shape is not None)
-                for _, p, seed in chunk
+                for _, p, seed, _ in chunk
             ]
-            key = routing_key(chunk[0][1], n_key)
+            key = chunk[0][3]
             if len(chunk) == 1:
                 resps = [self._post_with_recovery("/generate", bodies[0], key)]
             else:
@@ -465,7 +467,7 @@ class SGLangEngine(RolloutEngine):
                     )
             return [
                 parse_generate_response(r, p, g, routed_experts=shape)
-                for r, (g, p, _) in zip(resps, chunk)
+                for r, (g, p, _, _) in zip(resps, chunk)
             ]
 
         out: List[Sample] = []

@@ -187,9 +187,13 @@ class SGLangFleet(RolloutEngine):
         }
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        keys: Optional[Sequence[str]] = None,
     ) -> List[Sample]:
-        return self.router.generate(prompts, n, sampling)
+        return self.router.generate(prompts, n, sampling, keys)
 
     def init_weight_update_groups(self, master_address: str, port: int) -> None:
         """One group spanning every server: {trainer rank 0} ∪ server 0's ranks ∪ server 1's …
@@ -341,8 +345,9 @@ def build_fleet(cfg, worker_urls: Sequence[str], log_dir, transport: str) -> SGL
     port = cfg.router_port or free_port(cfg.host)
     key = os.environ.get(API_KEY_ENV)
     proc = ServerProcess(
-        router_command(resolve_python(cfg), cfg.host, port, [s.url for s in servers],
-                       sticky=cfg.routing_key_tokens > 0),  # fmt: skip
+        router_command(
+            resolve_python(cfg), cfg.host, port, [s.url for s in servers], sticky=cfg.sticky_routing
+        ),  # fmt: skip
         launch_env(),
         log_dir / "router.log",
         secrets=[key] if key else [],

@@ -296,29 +296,20 @@ def tensor_payload(serialized: Sequence[str], version: int, last: bool) -> dict:
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 
 
-def routing_key(ids: Sequence[int], n: int) -> Optional[str]:
-    """A request's routing key: a hash of its first ``n`` input tokens (None when ``n`` is 0).
-    A multi-turn trajectory's inputs share their first tokens (its history only grows), so all
-    its turns carry one key."""
-    if not n:
-        return None
-    return hashlib.sha1(",".join(map(str, ids[:n])).encode()).hexdigest()[:16]
+def routing_key(ids: Sequence[int]) -> str:
+    """A routing key for a token sequence (multi-turn: a trajectory's prompt, so that every
+    turn of every trajectory of a prompt carries the same key)."""
+    return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def request_chunks(jobs: list, per: int, n_key: int = 0) -> list:
-    """``jobs`` (``(group, input ids, seed)``) cut into requests of ``per`` completions; with
-    routing keys (``n_key`` > 0) only inputs of one key share a request (a request goes to one
+def request_chunks(jobs: list, per: int) -> list:
+    """``jobs`` (``(group, input ids, seed, routing key)``) cut into requests of ``per``
+    completions; only jobs of one routing key share a request (a request goes to one
     server)."""
-    if not n_key:
-        return [jobs[i : i + per] for i in range(0, len(jobs), per)]
     out: list = []
     for job in jobs:
         last = out[-1] if out else None
-        if (
-            last
-            and len(last) < per
-            and routing_key(last[0][1], n_key) == routing_key(job[1], n_key)
-        ):
+        if last and len(last) < per and last[0][3] == job[3]:
             last.append(job)
         else:
             out.append([job])
