@@ -107,6 +107,22 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tool_base(tmp_path_factory):
+    """The multi-turn tool recipe's base (``bases/tool_calc``, installed by
+    ``tools/make_base.py --task tool_calc`` in seconds): HF, Megatron, the task's splits."""
+    from tests.e2e.cli import ENV, ROOT
+
+    def build(d):
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "tools/make_base.py"), "--task", "tool_calc", "--out",
+             str(d / "base")], capture_output=True, text=True, env=ENV, timeout=900,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "tool_base", build) / "base"
+
+
+@pytest.fixture(scope="session")
 def moe_base(tmp_path_factory):
     """A tiny random Qwen3-MoE (4 experts, top-2) on the addition task: HF and Megatron."""
     from tests.e2e.cli import ENV, ROOT

@@ -85,8 +85,21 @@ def heldout(model, tok, rows, limit: int) -> dict:
     }
 
 
-def train(out: Path, seed: int, tool_share: float, steps: int, batch: int, lr: float) -> dict:
-    """Tokenizer, warm-up, ``hf/`` and the data files under ``out``; returns base.json's facts."""
+def train(
+    out: Path,
+    seed: int,
+    tool_share: float,
+    steps: int,
+    batch: int,
+    lr: float,
+    copy_steps: int = 0,
+) -> dict:
+    """Tokenizer, warm-up, ``hf/`` and the data files under ``out``; returns base.json's facts.
+
+    Two phases: ``copy_steps`` on tool conversations only (copying the expression into the call
+    and the tool's value into the answer is what makes the tool worth calling), then
+    ``steps − copy_steps`` on the mix (``tool_share`` of tool conversations): the first answer
+    token's choice moves toward answering directly, the copying stays."""
     from rich.progress import Progress
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -100,6 +113,7 @@ def train(out: Path, seed: int, tool_share: float, steps: int, batch: int, lr: f
     write_jsonl(held_rows, out / "heldout.jsonl")
     tok = make_tokenizer(out / "hf", train_rows)
     rng = random.Random(seed)
+    tools = _examples(tok, train_rows, 1.0, rng)
     data = _examples(tok, train_rows, tool_share, rng)
     torch.manual_seed(seed)
     cfg = LlamaConfig(
@@ -115,12 +129,13 @@ def train(out: Path, seed: int, tool_share: float, steps: int, batch: int, lr: f
     with Progress() as bar:
         task = bar.add_task("SFT tool_calc", total=steps)
         for step in range(1, steps + 1):
-            idx = torch.randint(0, len(data), (batch,), generator=g).tolist()
-            L = max(len(data[i][0]) for i in idx)
+            pool = tools if step <= copy_steps else data
+            idx = torch.randint(0, len(pool), (batch,), generator=g).tolist()
+            L = max(len(pool[i][0]) for i in idx)
             x = torch.full((batch, L), tok.pad_token_id)
             y = torch.full((batch, L), -100)
             for j, i in enumerate(idx):
-                ids, labels = data[i]
+                ids, labels = pool[i]
                 x[j, : len(ids)] = torch.tensor(ids)
                 y[j, : len(ids)] = torch.tensor(labels)
             loss = model(input_ids=x, labels=y).loss
@@ -138,6 +153,7 @@ def train(out: Path, seed: int, tool_share: float, steps: int, batch: int, lr: f
         "task": "tool_calc",
         "seed": seed,
         "tool_share": tool_share,
+        "copy_steps": copy_steps,
         "sft_steps": steps,
         "heldout_greedy_acc": round(h["acc"], 4),
         "heldout_tool_call_rate": round(h["tool_call_rate"], 4),

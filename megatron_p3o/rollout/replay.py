@@ -34,7 +34,7 @@ import torch
 
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.fields import check_choice, check_ranges
-from megatron_p3o.types import Group, Sample, routes_in, routes_out
+from megatron_p3o.types import TRAJECTORY_META, Group, Sample, routes_in, routes_out
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,8 @@ class TrajectoryFIFO:
                     "advantage": a,
                     "routed_experts": routes_out(s.routed_experts),
                     "token_versions": s.token_versions,
+                    "policy_mask": s.policy_mask,
+                    "meta": {k: v for k, v in s.meta.items() if k in TRAJECTORY_META},
                 }
                 for s, a in self.items
             ]
