@@ -25,6 +25,10 @@ setup(
         "numpy",
         "rich",
         "matplotlib",  # stress-report plots
+        # the stress tool's statistics (t intervals and tests, TOST, Holm, power: scipy.stats and
+        # statsmodels; megatron_p3o/stress/stats.py and sequential.py)
+        "scipy",
+        "statsmodels",
         "packaging",
         # math answer rewards (its LaTeX parser needs antlr4 4.13, pinned in the lock file)
         "math-verify",

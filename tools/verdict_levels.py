@@ -5,7 +5,9 @@
     python tools/verdict_levels.py recipes/stress_v4_tiny_cpu.yaml docs/stress_v4_tiny_cpu \
         recipes/stress_v4_chain_tiny_cpu.yaml docs/stress_v4_chain_tiny_cpu
 
-prints the ``LEVELS`` entries of ``megatron_p3o/stress/verdicts.py`` (paste them there). A
+prints the ``LEVELS`` entries of ``megatron_p3o/stress/verdicts.py`` (paste them there); a
+sequential (v5) study's report directory, which has a ``calls.csv``, is read from that instead
+(``python tools/verdict_levels.py recipes/stress_v5_tiny_cpu.yaml docs/stress_v5_tiny_cpu``). A
 level's arm **failed** when the Holm-corrected family calls it worse than P3O there; P3O
 **failed** when an arm is called better than it; every other arm that ran there **held** (no
 corrected loss: mostly "inconclusive", not "equivalent" — the table keeps the call).
@@ -42,6 +44,57 @@ def _what(spec, grid_name: str) -> str:
     if spec.family == "weight_rounding":
         return f"engine's weights rounded per channel to {spec.level:.3g}·max|w| (fp32 engine)"
     return f"{spec.family} {spec.level:g}{chain}"
+
+
+def levels_v5(grid_path: str, report_dir: str) -> list:
+    """The levels of a sequential (v5) grid from its committed ``calls.csv`` (the final calls:
+    an arm **failed** where it is called worse than P3O, P3O where an arm is called better; the
+    rest **held**, each level keeping its calls: equivalent, undecided at cap, …)."""
+    from megatron_p3o.stress.grid import arm_of, load_grid
+
+    grid = load_grid(grid_path)
+    cells = _cells(Path(report_dir))
+    calls = list(csv.DictReader(open(Path(report_dir) / "calls.csv")))
+    out = []
+    for mm, spec in grid.mismatch.items():
+        at = [c for c in cells if c["mismatch"] == mm and c["probe_abs_dlogp"] is not None]
+        if spec.family not in EXOGENOUS or not at:
+            continue
+
+        def mean(k, at=at):
+            return sum(c[k] for c in at) / len(at)
+
+        arms = sorted({arm_of(c["objective"]) for c in cells if c["mismatch"] == mm})
+        failed, got = {}, {}
+        for r in (r for r in calls if r["setting"] == mm):
+            got[r["arm"]] = r["call"]
+            ci = f"[{float(r['ci_lo']):+.3f}, {float(r['ci_hi']):+.3f}]"
+            what = (
+                f"{float(r['delta']):+.3f} {ci} at look {r['look']} ({r['test_seeds']} seeds), "
+                f"p {r['p_adjusted']}"
+            )
+            if r["call"] == "worse":
+                failed[r["arm"]] = f"worse than {r['comparator']} ({what})"
+            elif r["call"] == "better":
+                sep = "; " if failed.get(r["comparator"]) else ""
+                failed[r["comparator"]] = (
+                    failed.get(r["comparator"], "") + f"{sep}{r['arm']} better ({what})"
+                )
+        out.append(
+            {
+                "setting": mm if "chain" not in grid.name else f"chain {mm}",
+                "grid": grid.name,
+                "task": "reasoning_gym:chain_sum" if "chain" in grid.name else "arithmetic",
+                "what": _what(spec, grid.name),
+                "per_token": round(mean("probe_abs_dlogp"), 4),
+                "per_sequence": round(mean("probe_abs_seq_dlogp"), 4),
+                "kl": float(f"{mean('probe_kl_b_theta'):.3g}"),
+                "held": tuple(a for a in arms if a not in failed),
+                "failed": failed,
+                "calls": got,
+            }
+        )
+    return out
 
 
 def levels(grid_path: str, report_dir: str) -> list:
@@ -100,7 +153,8 @@ def main(argv) -> None:
     if len(argv) % 2:
         sys.exit("usage: verdict_levels.py GRID REPORT_DIR [GRID REPORT_DIR ...]")
     for g, d in zip(argv[::2], argv[1::2]):
-        for lv in levels(g, d):
+        v5 = (Path(d) / "calls.csv").is_file()
+        for lv in (levels_v5 if v5 else levels)(g, d):
             pprint.pprint(lv, width=92, sort_dicts=False)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from megatron_p3o.stress.grid import GridConfig, control_setting, family_label
+from megatron_p3o.stress.plots import _legend
 from megatron_p3o.stress.stats import adjust, mean_sd, seed_paired, seed_scores, t_ppf
 
 # the control's level on axes whose neutral point is not 0 (engine / trainer temperature ratio)
@@ -145,7 +146,7 @@ def plot_dose(out: Path, grid: GridConfig, cells: List[dict]) -> Optional[Path]:
         ax.set_xlabel("level (control at %g)" % neutral)
         ax.set_ylabel("final held-out accuracy")
         ax.grid(alpha=0.3)
-    panels[0][0].legend(fontsize=7, ncol=2)
+    _legend(panels[0][0], fontsize=7, ncol=2)
     return _save(
         fig,
         out / "dose_response.png",

@@ -30,6 +30,12 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
                 per: setting}            # or per: control; arms are then objective families
     store: runs/stress_store             # cells already run (same resolved config) are reused
     store_across_commits: false          # true: reuse cells of other code too
+    # v5 (docs/stress_v5_plan.md): the endpoint, and seeds added look by look until decided
+    eval_steps: [10, 20]                 # held-out accuracy also after these steps (acc_s10, …)
+    endpoint_steps: [24, 27, 30]         # the endpoint acc_mean_end: the mean at these steps
+    sequential: {seeds: [101, …, 164], looks: [8, 16, 32, 64], alpha: 0.05,
+                 spending: hsd, gamma: -2}   # stress/sequential.py: repeated CIs, Bonferroni
+    committed: docs/stress_v5_tiny_cpu   # its cells.csv rows count as finished cells
 
 Families are the mismatch axes: rollout precision, reuse (epochs), staleness (sync every L /
 async K), engine logit noise (a perturbed sampling distribution with honest ℓb), corrupted
@@ -99,6 +105,24 @@ class LrSelect:
 
 LR_SELECT_PER = ("setting", "control")
 
+
+@dataclass(frozen=True)
+class Sequential:
+    """Seeds added look by look until every declared comparison is decided (v5,
+    ``stress/sequential.py``). ``seeds``: the ordered pool; look k uses its first ``looks[k]``
+    seeds. ``alpha``: the error rate over the grid's whole declared family (Bonferroni: α/m per
+    comparison), spent over the looks by ``spending`` (``hsd``: Hwang–Shih–DeCani with
+    ``gamma``; ``obf``: Lan–DeMets O'Brien–Fleming; ``pocock``: Lan–DeMets Pocock)."""
+
+    seeds: List[int] = field(default_factory=list)
+    looks: List[int] = field(default_factory=list)
+    alpha: float = 0.05
+    spending: str = "hsd"
+    gamma: float = -2.0
+
+
+SPENDING = ("hsd", "obf", "pocock")
+
 REPORTING_NOISE = "reporting noise, not a distribution shift"
 
 
@@ -146,12 +170,31 @@ class GridConfig:
     # the base checkpoint's tree hash (provenance.tree_hash) every cell must start from, checked
     # before any cell runs: a grid written for a shipped base (bases/) refuses another one
     base_hash: str = ""
+    # v5: held-out accuracy also after these steps (cell.json's acc_curve, CSV acc_s<step>), and
+    # the endpoint: the mean accuracy after ``endpoint_steps`` (``acc_mean_end``; empty: acc_end)
+    eval_steps: List[int] = field(default_factory=list)
+    endpoint_steps: List[int] = field(default_factory=list)
+    sequential: Optional[Sequential] = None  # v5: seeds added look by look until decided
+    # a committed report (e.g. docs/stress_v5_tiny_cpu) whose cells.csv rows count as finished
+    # cells: a fresh clone resumes the grid from them and reruns find them
+    committed: str = ""
     path: str = ""  # the grid file (set by load_grid)
+
+    @property
+    def v5(self) -> bool:
+        """A v5 grid (an endpoint over several evaluations, or seeds added look by look): its
+        settings may each run their own labels (each arm at the rate fixed for the setting)."""
+        return bool(self.sequential) or bool(self.endpoint_steps)
+
+    @property
+    def endpoint(self) -> str:
+        """The cell column the declared comparisons compare: ``acc_mean_end`` or ``acc_end``."""
+        return "acc_mean_end" if self.endpoint_steps else "acc_end"
 
     @property
     def v4(self) -> bool:
         """Whether the grid's reports use the v4 statistics (declared family, TOST calls)."""
-        return bool(self.preregistered) or self.lr_select is not None
+        return bool(self.preregistered) or self.lr_select is not None or bool(self.sequential)
 
 
 @dataclass(frozen=True)
@@ -210,6 +253,10 @@ def load_grid(path: str | Path) -> GridConfig:
         _build(Comparison, _mapping(p, f"preregistered[{i}]", v), f"preregistered[{i}]")
         for i, v in enumerate(prereg)
     ]
+    seq = data.pop("sequential", None)
+    seq = None if seq is None else _build(Sequential, _mapping(p, "sequential", seq), "sequential")
+    if seq is not None and "seeds" not in data:
+        data["seeds"] = list(seq.seeds)
     lr_sel = data.pop("lr_select", None)
     lr_sel = (
         None if lr_sel is None else _build(LrSelect, _mapping(p, "lr_select", lr_sel), "lr_select")
@@ -235,6 +282,7 @@ def load_grid(path: str | Path) -> GridConfig:
             "mismatch": mismatch,
             "preregistered": prereg,
             "lr_select": lr_sel,
+            "sequential": seq,
             "path": str(p),
         }
     )
@@ -255,8 +303,9 @@ def load_grid(path: str | Path) -> GridConfig:
                     f"grid {p}: mismatch.{k}.objectives: {o!r} is not an objective label "
                     f"({sorted(objectives)})"
                 )
+    _check_v5(p, grid)
     control = control_setting(grid)
-    if mismatch[control].objectives:
+    if mismatch[control].objectives and not grid.v5:  # v5: each arm's rate fixed per setting
         raise ConfigError(
             f"grid {p}: mismatch.{control}.objectives: the control setting runs every objective "
             "(each level is compared with the objective's own control)"
@@ -305,7 +354,8 @@ def _check_v4(p: Path, grid: GridConfig) -> None:
     """The declared family names settings and arms of the grid; the lr split is disjoint and
     inside the grid's seeds."""
     # under lr_select an arm is an objective family (each at its chosen rate), else a label
-    arms = {arm_of(k) for k in grid.objectives} if grid.lr_select else set(grid.objectives)
+    families = grid.lr_select or grid.sequential
+    arms = {arm_of(k) for k in grid.objectives} if families else set(grid.objectives)
     for i, c in enumerate(grid.preregistered):
         if c.setting not in grid.mismatch:
             raise ConfigError(
@@ -348,6 +398,53 @@ def _check_v4(p: Path, grid: GridConfig) -> None:
         raise ConfigError(f"grid {p}: lr_select.per={sel.per!r}: one of {LR_SELECT_PER}")
     if any(not float(lr) > 0 for lr in sel.lrs):
         raise ConfigError(f"grid {p}: lr_select.lrs: every rate must be > 0")
+
+
+def _check_v5(p: Path, grid: GridConfig) -> None:
+    """The evaluation steps lie within the run; the sequential design is well formed, and each
+    declared arm runs exactly one label on its setting (its rate is fixed by the grid)."""
+    steps = int(grid.set.get("steps", 0) or 0)
+    for key in ("eval_steps", "endpoint_steps"):
+        bad = [s for s in getattr(grid, key) if not 1 <= int(s) <= (steps or int(s))]
+        if bad:
+            raise ConfigError(f"grid {p}: {key}: steps {bad} are not within 1..{steps}")
+    seq = grid.sequential
+    if seq is None:
+        return
+    if grid.lr_select is not None:
+        raise ConfigError(f"grid {p}: sequential and lr_select exclude each other (fix the rates)")
+    if not grid.preregistered:
+        raise ConfigError(f"grid {p}: sequential: declare the comparisons (preregistered:)")
+    looks = list(seq.looks)
+    if not looks or looks != sorted(set(looks)) or looks[0] < 3:
+        raise ConfigError(f"grid {p}: sequential.looks={looks}: increasing, the first >= 3 seeds")
+    if len(set(seq.seeds)) != len(seq.seeds) or len(seq.seeds) < looks[-1]:
+        raise ConfigError(
+            f"grid {p}: sequential.seeds: {len(seq.seeds)} distinct seeds needed >= the last look "
+            f"({looks[-1]})"
+        )
+    if sorted(seq.seeds) != sorted(grid.seeds):
+        raise ConfigError(f"grid {p}: sequential.seeds and seeds must be the same seeds")
+    if not 0 < seq.alpha < 0.5 or seq.spending not in SPENDING:
+        raise ConfigError(
+            f"grid {p}: sequential: alpha={seq.alpha} in (0, 0.5), spending one of {SPENDING}"
+        )
+    for i, c in enumerate(grid.preregistered):
+        for arm in (c.arm, c.comparator):
+            labels = arm_labels(grid, arm, c.setting)
+            if len(labels) != 1:
+                raise ConfigError(
+                    f"grid {p}: preregistered[{i}]: arm {arm!r} runs {len(labels)} labels on "
+                    f"{c.setting} ({labels}): exactly one (its fixed rate) is needed"
+                )
+
+
+def arm_labels(grid: GridConfig, arm: str, setting: str) -> List[str]:
+    """The objective labels of ``arm`` (the label itself, or its ``arm@…`` variants) that run on
+    ``setting``."""
+    m = grid.mismatch[setting]
+    on = [k for k in grid.objectives if not m.objectives or k in m.objectives]
+    return [k for k in on if arm_of(k) == arm]
 
 
 def cells(grid: GridConfig) -> List[Cell]:

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_p3o.stress.grid import GridConfig
 from megatron_p3o.stress.mechanisms import seed_table
+from megatron_p3o.stress.plots import _legend
 from megatron_p3o.stress.stats import mean_sd
 
 
@@ -76,7 +77,7 @@ def plot_eval_curves(out: Path, grid: GridConfig, cells: List[dict]) -> Optional
             ax.grid(alpha=0.3)
             if i == len(keys) - 1:
                 ax.set_xlabel("step")
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0], fontsize=7)
     from megatron_p3o.stress.plots import _save
 
     title = f"{grid.name}: eval sets over training (seed mean ± s.d.)"

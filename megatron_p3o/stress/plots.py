@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_p3o.observability.metrics import COARSE_HIST_RANGE
 from megatron_p3o.stress.grid import GridConfig
@@ -105,7 +105,7 @@ def plot_curves(
         ax.grid(alpha=0.3)
     for j in range(len(mms), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
-    axes[0][0].legend(fontsize=7, ncol=2)
+    _legend(axes[0][0], fontsize=7, ncol=2)
     title = f"{grid.name}: {ylabel} (mean over seeds, {smooth}-step moving average)"
     return _save(fig, out / fname, title)
 
@@ -139,7 +139,7 @@ def plot_ratio_hist(
     ax.set_xlabel(f"log ρ = ℓθ − ℓb (end bins hold everything beyond ±{COARSE_HIST_RANGE:g})")
     ax.set_ylabel("fraction of tokens")
     ax.set_title(f"{grid.name}: train/rollout log-ratio, objective {obj}")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, out / "ratio_hist.png")
 
@@ -187,7 +187,7 @@ def plot_final_vs_level(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
         ax.set_xlabel("mismatch level")
         ax.set_ylabel("final held-out accuracy")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, ncol=2)
+    _legend(axes[0][0], fontsize=7, ncol=2)
     return _save(
         fig,
         out / "final_acc_vs_mismatch.png",
@@ -195,21 +195,59 @@ def plot_final_vs_level(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
     )
 
 
-def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path:
-    """Final accuracy against the *measured* mismatch (mean |ℓθ − ℓb| over the run's optimizer
-    steps), one panel per family (its levels plus the baseline setting), one line per
-    objective, with 95% t-interval bands over seeds."""
+_STYLES = ("-", "--", ":", "-.")
+_CALL_MARK = {"better": ("^", "better"), "worse": ("v", "worse"), "equivalent": ("D", "equiv.")}
+
+
+def arm_styles(grid: GridConfig) -> Dict[str, Tuple[str, str]]:
+    """label -> (colour, line style): one colour per arm (the label before ``@``: tab10, then
+    tab20 for more arms), one line style per learning rate (solid for the lowest), so that no
+    two labels look alike."""
+    import matplotlib
+
+    from megatron_p3o.stress.grid import arm_of
+    from megatron_p3o.stress.lr_sweep import label_rate
+
+    arms = list(dict.fromkeys(arm_of(k) for k in grid.objectives))
+    cmap = matplotlib.colormaps["tab10" if len(arms) <= 10 else "tab20"]
+    colour = {a: matplotlib.colors.to_hex(cmap(i)) for i, a in enumerate(arms)}
+    rates = sorted({float(r) for k in grid.objectives if (r := label_rate(grid, k)) is not None})
+    style = {r: _STYLES[i % len(_STYLES)] for i, r in enumerate(rates)}
+    out = {}
+    for k in grid.objectives:
+        r = label_rate(grid, k)
+        out[k] = (colour[arm_of(k)], style.get(float(r), "-") if r is not None else "-")
+    return out
+
+
+def _legend(ax, **kw) -> None:
+    """A legend only when something is labelled (matplotlib warns on an empty one)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+
+
+def plot_acc_vs_measured(
+    out: Path, grid: GridConfig, cells: List[dict], marks: Optional[Dict] = None
+) -> Path:
+    """Final accuracy (the grid's endpoint) against the *measured* mismatch (mean |ℓθ − ℓb| over
+    the run's optimizer steps), one panel per family (its levels plus the baseline setting), one
+    line per objective label — one colour per arm, one line style per learning rate — with 95%
+    t-interval bands over seeds; ``marks`` ({(label, setting): call}) draws the declared calls
+    on the arm's point (▲ better, ▼ worse, ◆ equivalent, against P3O)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    marks = marks or {}
+    styles = arm_styles(grid)
+    key = grid.endpoint
     base, fams = _families(grid)
     ncol = min(3, len(fams))
     nrow = math.ceil(len(fams) / ncol)
     fig, axes = plt.subplots(
-        nrow, ncol, figsize=(4.8 * ncol, 3.6 * nrow), squeeze=False, sharey=True
+        nrow, ncol, figsize=(5.2 * ncol, 3.9 * nrow), squeeze=False, sharey=True
     )
     for k, fam in enumerate(fams):
         ax = axes[k // ncol][k % ncol]
@@ -219,35 +257,53 @@ def plot_acc_vs_measured(out: Path, grid: GridConfig, cells: List[dict]) -> Path
             for mm in members:
                 mine = [c for c in cells if c["objective"] == obj]
                 x = _mean_of(mine, mm, "abs_diff_run")
-                sc = seed_scores(cells, obj, mm)
-                zero = {s: 0.0 for s in sc}
-                ci = seed_paired(sc, zero) if math.isfinite(x) else None
+                sc = seed_scores(cells, obj, mm, key)
+                ci = seed_paired(sc, {s: 0.0 for s in sc}) if math.isfinite(x) else None
                 if ci is None:  # fewer than 2 seeds: no interval to draw
                     continue
-                pts.append((x, ci.mean, ci.lo, ci.hi))
+                pts.append((x, ci.mean, ci.lo, ci.hi, marks.get((obj, mm))))
             if not pts:
                 continue
-            pts.sort()
+            pts.sort(key=lambda p: p[0])
             xs = [p[0] for p in pts]
-            (line,) = ax.plot(
-                xs, [p[1] for p in pts], marker="o", ms=4, lw=2.4 if _is_p3o(obj) else 1.1,
-                label=obj,
-            )  # fmt: skip
-            ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], alpha=0.12,
-                            color=line.get_color())  # fmt: skip
+            colour, ls = styles[obj]
+            ax.plot(xs, [p[1] for p in pts], marker="o", ms=3.5, color=colour, ls=ls,
+                    lw=2.2 if _is_p3o(obj) else 1.2, label=obj)  # fmt: skip
+            ax.fill_between(xs, [p[2] for p in pts], [p[3] for p in pts], alpha=0.08,
+                            color=colour)  # fmt: skip
+            for x, y, _, _, call in pts:
+                if call in _CALL_MARK:
+                    ax.plot([x], [y], marker=_CALL_MARK[call][0], ms=10, color=colour,
+                            mec="black", mew=0.8, ls="none")  # fmt: skip
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(f"{fam} (+ {', '.join(base)})" if base else fam)
         ax.set_xlabel("measured mean |ℓθ − ℓb| over the run (nats)")
-        ax.set_ylabel("final held-out accuracy")
+        ax.set_ylabel("held-out accuracy, " + ("endpoint mean" if key != "acc_end" else "final"))
         ax.grid(alpha=0.3)
     for j in range(len(fams), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
-    axes[0][0].legend(fontsize=7, ncol=2)
+    seen = {}  # every panel's labels once (a label may be drawn in some panels only)
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    if marks:
+        from matplotlib.lines import Line2D
+
+        for m, t in _CALL_MARK.values():
+            seen[f"{t} vs P3O (declared call)"] = Line2D(
+                [], [], marker=m, ls="none", color="grey", mec="black", ms=8
+            )
+    if seen:  # in a free panel when there is one, else in the first
+        free = len(fams) < nrow * ncol
+        where = axes[-1][-1] if free else axes[0][0]
+        where.legend(list(seen.values()), list(seen), fontsize=7, ncol=2,
+                     loc="center" if free else "best")  # fmt: skip
     return _save(
         fig,
         out / "acc_vs_measured_mismatch.png",
-        f"{grid.name}: accuracy vs measured mismatch (bands: 95% t-CI over seeds)",
+        f"{grid.name}: accuracy vs measured mismatch (one colour per arm, one line style per "
+        "learning rate; bands: 95% t-CI over seeds; large markers: the declared calls)",
     )
 
 

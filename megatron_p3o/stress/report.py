@@ -4,16 +4,27 @@ the numbers show — including the settings where P3O is not the best objective.
 from __future__ import annotations
 
 import csv
+import json
 import math
-import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_p3o.stress.dose import dose_section, plot_dose
+from megatron_p3o.stress.family import (  # noqa: F401 - re-exported: v4's names stay here too
+    V4_HEADER,
+    _chosen_label,
+    _p3o_arm,
+    _spread,
+    adjust_family,
+    power_section,
+    v4_headline,
+    v4_row,
+    v4_tests,
+)
 from megatron_p3o.stress.grid import REPORTING_NOISE, GridConfig, arm_of, reports_noise
 from megatron_p3o.stress.long_run import long_run_section, plot_eval_curves
-from megatron_p3o.stress.lr_sweep import arm_scores, chosen_rates, lr_section
+from megatron_p3o.stress.lr_sweep import chosen_rates, lr_section
 from megatron_p3o.stress.mechanisms import epoch_rows, epoch_section, mechanisms_section
 from megatron_p3o.stress.plots import (
     _is_p3o,
@@ -23,12 +34,16 @@ from megatron_p3o.stress.plots import (
     plot_final_vs_level,
     plot_ratio_hist,
 )
-from megatron_p3o.stress.provenance import GRID_RUNS, grid_runs, mixed, wall_text
+from megatron_p3o.stress.provenance import (
+    GRID_RUNS,
+    merged_runs,
+    mixed,
+    reruns_section,
+    wall_text,
+)
 from megatron_p3o.stress.stats import (
     adjust,
-    adjust_with_equivalence,
     best_baseline_bootstrap,
-    mean_sd,
     seed_paired,
     seed_scores,
 )
@@ -77,14 +92,6 @@ _MISMATCH_KEYS = ("abs_diff_first", "abs_diff_run", "abs_diff_p99_first", "kl_b_
 def _comparators(grid: GridConfig, baselines: List[str]) -> List[str]:
     """The pre-registered comparators (``comparators:`` in the grid), else every baseline."""
     return list(grid.comparators) or baselines
-
-
-def _spread(scores: Dict[int, float]) -> str:
-    xs = list(scores.values())
-    if not xs:
-        return "—"
-    m, sd = mean_sd(xs)
-    return f"{m:.3f} ± {sd:.3f} (n={len(xs)})"
 
 
 def headline_tests(grid: GridConfig, cells: List[dict]):
@@ -153,127 +160,6 @@ def headline(grid: GridConfig, cells: List[dict]) -> Tuple[List[str], List[str]]
                     f"{bb['diff']:+.3f} [{bb['lo']:+.3f}, {bb['hi']:+.3f}] (chosen: {shares}); "
                     "descriptive, not a corrected test."
                 )
-    return lines, text
-
-
-# -- v4: the declared family, TOST equivalence, the lr split ------------------------------------
-
-
-def _p3o_arm(grid: GridConfig) -> Optional[str]:
-    """P3O's arm: its label, or under ``lr_select`` its family (``p3o``)."""
-    p3o = _subject(grid)[0]
-    return None if p3o is None else (arm_of(p3o) if grid.lr_select else p3o)
-
-
-def v4_tests(grid: GridConfig, cells: List[dict], base_lr=None):
-    """``(declared, exploratory)``: rows ``(grid name, setting, arm, comparator, arm's seed
-    scores, comparator's, SeedTest or None)``, not yet adjusted. Declared: the grid's
-    ``preregistered`` comparisons, in their order. Exploratory: every other arm − P3O on every
-    setting where both ran (outside the family: never adjusted with it). Scores are each arm's
-    chosen rate on the test seeds under ``lr_select``, else the label's every seed."""
-    chosen = chosen_rates(grid, cells, base_lr)
-    margin = grid.equivalence_margin
-
-    def row(mm, arm, comp):
-        a = arm_scores(grid, cells, arm, mm, chosen)
-        b = arm_scores(grid, cells, comp, mm, chosen)
-        return (grid.name, mm, arm, comp, a, b, seed_paired(a, b, arm, margin=margin))
-
-    declared = [row(c.setting, c.arm, c.comparator) for c in grid.preregistered]
-    named = {(c.setting, frozenset((c.arm, c.comparator))) for c in grid.preregistered}
-    p3o = _p3o_arm(grid)
-    arms = list(dict.fromkeys(a for a, _ in chosen))
-    exploratory = []
-    for mm in grid.mismatch:
-        for arm in arms:
-            if p3o is None or arm == p3o or (mm, frozenset((arm, p3o))) in named:
-                continue
-            r = row(mm, arm, p3o)
-            if r[4] or r[5]:
-                exploratory.append(r)
-    return declared, exploratory
-
-
-def adjust_family(rows):
-    """The rows with their tests adjusted together (superiority and TOST in one family)."""
-    tests = adjust_with_equivalence([r[-1] for r in rows])
-    return [(*r[:-1], t) for r, t in zip(rows, tests)]
-
-
-def _chosen_label(grid: GridConfig, chosen: dict, arm: str, mm: str) -> str:
-    """``grpo (lr 3e-4)``: the arm at its chosen rate (the arm alone without ``lr_select``)."""
-    if grid.lr_select is None:
-        return arm
-    lab = chosen.get((arm, mm))
-    return f"{arm} (lr {lab.split('@lr', 1)[1]})" if lab and "@lr" in lab else str(lab or arm)
-
-
-V4_HEADER = [
-    "| setting | arm − comparator | arm | comparator | per-seed differences | "
-    "Δ [95% t-CI] | p (t) | p Holm | p TOST | p TOST Holm | p sign-flip | call |",
-    "|---" * 12 + "|",
-]
-
-
-def v4_row(r, adjusted: bool = True, labels=None) -> str:
-    """One line of the v4 table (``labels``: what to print for the arm and the comparator)."""
-    _, mm, arm, comp, a, b, t = r
-    what = " − ".join(labels or (arm, comp))
-    if t is None:
-        return f"| {mm} | {what} | {_spread(a)} | {_spread(b)} |" + " — |" * 8
-    per = ", ".join(f"{d:+.3f}" for d in t.diffs)
-    if adjusted:
-        adj, tadj, call = f"{t.p_adj:.3g}", f"{t.p_tost_adj:.3g}", f"**{t.verdict()}**"
-    else:
-        adj, tadj, call = "—", "—", f"{t.verdict()} (exploratory)"
-    return (
-        f"| {mm} | {what} | {_spread(a)} | {_spread(b)} | {per} | "
-        f"{t.mean:+.3f} [{t.lo:+.3f}, {t.hi:+.3f}] | {t.p_t:.3g} | {adj} | {t.p_tost:.3g} | "
-        f"{tadj} | {t.p_perm:.3g} | {call} |"
-    )
-
-
-def v4_headline(grid: GridConfig, cells: List[dict], base_lr=None) -> Tuple[List[str], List[str]]:
-    """The v4 headline of one grid: its declared comparisons (Holm over this grid's family:
-    the study summary adjusts over every grid's) and the exploratory rest."""
-    declared, exploratory = v4_tests(grid, cells, base_lr)
-    declared = adjust_family(declared)
-    chosen = chosen_rates(grid, cells, base_lr)
-
-    def labels(r):
-        return _chosen_label(grid, chosen, r[2], r[1]), _chosen_label(grid, chosen, r[3], r[1])
-
-    margin = grid.equivalence_margin
-    n = sum(r[-1] is not None for r in declared)
-    lines = [
-        f"Declared before the runs: {len(grid.preregistered)} comparisons (`preregistered:` in "
-        f"the grid file); {n} testable. Holm over their {2 * n} hypotheses (superiority "
-        f"Δ = 0 and TOST equivalence |Δ| ≥ {margin:g}, at most one of each pair true) within "
-        "this grid; the study summary adjusts over every grid's declared comparisons.",
-        "",
-        *V4_HEADER,
-        *[v4_row(r, True, labels(r)) for r in declared],
-    ]
-    if exploratory:
-        lines += [
-            "",
-            "Exploratory (not declared, outside the family; p unadjusted, calls not claims):",
-            "",
-            *V4_HEADER,
-            *[v4_row(r, False, labels(r)) for r in exploratory],
-        ]
-    said: Dict[str, List[str]] = defaultdict(list)
-    for _, mm, arm, comp, _, _, t in declared:
-        if t is not None:
-            said[t.verdict()].append(f"{mm}: {arm} − {comp} {t.mean:+.3f}")
-    text = [
-        f"- {n} declared comparisons; `better`/`worse` need the Holm-adjusted t-test p < 0.05 "
-        f"and the interval on that side of 0; `equivalent` needs the Holm-adjusted TOST p < 0.05 "
-        f"(Δ within ±{margin:g}); anything else is `inconclusive` (not evidence of no difference)."
-    ]
-    for v in ("better", "worse", "equivalent", "inconclusive"):
-        if said[v]:
-            text.append(f"- {v} ({len(said[v])}): " + "; ".join(said[v]) + ".")
     return lines, text
 
 
@@ -359,39 +245,31 @@ def _base_lr(grid: GridConfig):
 _NOT_IN_CSV = ("final_per_prompt", "eval_curve")  # lists, kept in each cell.json
 
 
-def power_section(grid: GridConfig, cells: List[dict], delta: float = 0.05) -> List[str]:
-    """Per setting: the median seed s.d. of its declared paired differences and the test seeds
-    a call would need — 80% power for a true gap of ``delta`` (superiority) and for the TOST at
-    the grid's margin when the arms are truly equal — at α 0.05 and at α 0.05/m (the first Holm
-    step over the family's m comparisons, a lower bound of what the corrected test needs)."""
-    from megatron_p3o.stress.stats import seeds_for_equivalence, seeds_for_power
+def _labels_by_arm(grid: GridConfig, cells: List[dict]) -> Dict[tuple, Optional[str]]:
+    """{(arm, setting): its label}: the rate chosen (v4) or fixed per setting (v5)."""
+    if not grid.sequential:
+        return chosen_rates(grid, cells, _base_lr(grid))
+    from megatron_p3o.stress.grid import arm_labels
 
-    rows = [r for r in v4_tests(grid, cells, _base_lr(grid))[0] if r[-1] is not None]
-    if not rows:
-        return []
-    m, margin = len(rows), grid.equivalence_margin
-    n = len(grid.lr_select.test_seeds) if grid.lr_select else len(grid.seeds)
-    lines = [
-        f"### Seeds a call would need (the family's m = {m}; {n} test seeds ran)",
-        "",
-        f"| setting | median paired s.d. | superiority Δ = {delta:g}: α 0.05 | α 0.05/m | "
-        f"equivalence ±{margin:g}: α 0.05 | α 0.05/m |",
-        "|---" * 6 + "|",
-    ]
-    for mm in grid.mismatch:
-        sds = sorted(r[-1].sd for r in rows if r[1] == mm)
-        if not sds:
-            continue
-        sd = max(sds[len(sds) // 2], 1e-6)
-        cells_ = [
-            seeds_for_power(delta, sd),
-            seeds_for_power(delta, sd, alpha=0.05 / m),
-            seeds_for_equivalence(sd, margin),
-            seeds_for_equivalence(sd, margin, alpha=0.05 / m),
-        ]
-        text = [str(c) if c < 200 else "≥ 200" for c in cells_]
-        lines.append(f"| {mm} | {sd:.3f} | " + " | ".join(text) + " |")
-    return lines
+    arms = dict.fromkeys(arm_of(k) for k in grid.objectives)
+    return {(a, mm): (arm_labels(grid, a, mm) or [None])[0] for a in arms for mm in grid.mismatch}
+
+
+def call_marks(grid: GridConfig, cells: List[dict]) -> Dict[Tuple[str, str], str]:
+    """{(label, setting): call} of the declared comparisons that reached a call (better, worse,
+    equivalent): the figures mark them on the arm's line."""
+    if grid.sequential:
+        from megatron_p3o.stress.looks import marks
+
+        return marks(grid, cells)
+    if not grid.preregistered:
+        return {}
+    labels = _labels_by_arm(grid, cells)
+    out = {}
+    for _, mm, arm, _, _, _, t in adjust_family(v4_tests(grid, cells, _base_lr(grid))[0]):
+        if t is not None and t.verdict() != "inconclusive" and labels.get((arm, mm)):
+            out[(labels[(arm, mm)], mm)] = t.verdict()
+    return out
 
 
 def write_report(
@@ -428,7 +306,7 @@ def write_report(
         ),
         plot_ratio_hist(out, grid, cells, steps),
         plot_final_vs_level(out, grid, cells),
-        plot_acc_vs_measured(out, grid, cells),
+        plot_acc_vs_measured(out, grid, cells, call_marks(grid, cells)),
     ]
     if any(c.get("eval_curve") for c in cells):  # long runs: their per-step curves too
         plots += [
@@ -447,9 +325,13 @@ def write_report(
         plots += [extra] if extra is not None else []
     ok = [c for c in cells if c["status"] == "ok"]
     n_steps = max((c["steps"] for c in ok), default=0)
-    runs = grid_runs(grid.work, out)
-    if runs and Path(grid.work, GRID_RUNS).is_file():  # the measured wall time goes with the CSV
-        shutil.copyfile(Path(grid.work, GRID_RUNS), out / GRID_RUNS)
+    # the measured wall time goes with the CSV: this machine's invocations (work) joined to the
+    # ones already committed with the report (a study resumed on another machine, look by look)
+    runs = merged_runs(out, grid.committed or out, grid.work)
+    if runs and Path(grid.work, GRID_RUNS).is_file():
+        tmp = out / (GRID_RUNS + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in runs))
+        tmp.replace(out / GRID_RUNS)
     wall = wall_text(runs)
     md = [
         f"# Stress report: {grid.name}",
@@ -476,25 +358,32 @@ def write_report(
                 else ""
             )
         )
-    if grid.v4:
+    if grid.sequential:
+        from megatron_p3o.stress.looks import CALLS_CSV, calls_rows, section
+
+        table, sentences = section(grid, cells, runs)
+        write_csv(out / CALLS_CSV, calls_rows(grid, cells))
+    elif grid.v4:
         table, sentences = v4_headline(grid, cells, _base_lr(grid))
     else:
         table, sentences = headline(grid, cells)
     mixed_from = mixed(cells)
     md += [""] + [f"**Provenance: {m}.**" for m in mixed_from]
     if not mixed_from and cells:
-        keys = ("commit", "base_hash", "grid_hash", "cpu_isa")
+        keys = ("commit", "base_hash", "grid_hash", "cpu_isa", "cpu_model")
         got = {k: cells[0].get(k, "unrecorded") for k in keys}
         md.append(
             f"Provenance: every cell from commit `{got['commit']}`, base model "
             f"`{got['base_hash']}`, grid file `{got['grid_hash']}`, CPU kernels "
-            f"`{got['cpu_isa']}`."
+            f"`{got['cpu_isa']}`, CPU `{got['cpu_model']}`."
         )
     md += ["", "## What it shows", ""]
     if grid.notes.strip():
         md += [grid.notes.strip(), "", "Computed from the tables below:", ""]
     md += sentences + findings(grid, cells)
-    if grid.v4:
+    if grid.sequential:
+        md += ["", "## The declared comparisons, look by look (paired by seed)", "", *table]
+    elif grid.v4:
         md += (
             [
                 "",
@@ -527,10 +416,11 @@ def write_report(
             "a win or loss is called only when the corrected test rejects.",
             "",
         ] + table
+    md += [""] + reruns_section(out, grid.committed or out)
     md += [""] + lr_section(grid, cells, _base_lr(grid))
     md += [""] + dose_section(grid, cells)
     md += [""] + mechanisms_section(grid, cells)
-    erows = epoch_rows(grid, cells, chosen_rates(grid, cells, _base_lr(grid)))
+    erows = epoch_rows(grid, cells, _labels_by_arm(grid, cells))
     if erows:
         write_csv(out / "epochs.csv", erows)
     md += [""] + epoch_section(grid, erows)

@@ -143,18 +143,25 @@ def run_cell(
         acc0 = _start_accuracy(grid, cfg, trainer)
         if cfg.eval.sets:  # long runs: the eval sets' curve starts at the base weights
             curve.append({"step": 0, **trainer.evaluate_sets()})
+        due = eval_steps(grid, cfg.steps)
+        held: Dict[int, float] = {}  # held-out accuracy after the grid's eval_steps
         for i in range(1, cfg.steps + 1):
             m = trainer.step()
             steps.append(m)
             if sets_due(cfg.eval, i, i == cfg.steps):
                 curve.append({"step": i, **trainer.evaluate_sets()})
+            if i in due and i != cfg.steps:
+                held[i] = trainer.evaluate(cfg.data.eval_path, grid.eval_limit)
             if on_step:
                 on_step(m)
         acc1, per_prompt = trainer.evaluate_detail(cfg.data.eval_path, grid.eval_limit)
+        if cfg.steps in due:
+            held[cfg.steps] = acc1
         summary = summarize(
             cell, steps, acc0, acc1, time.perf_counter() - t0, final_per_prompt=per_prompt
         )
         summary.update(curve_summary(curve))
+        summary.update(endpoint_summary(grid, held))
     except Exception as e:  # noqa: BLE001 - a broken configuration is a result, not a crash
         summary = summarize(
             cell,
@@ -178,6 +185,23 @@ def run_cell(
     if grid.store and dist.is_initialized():
         barrier(dist.group.WORLD, "every rank sees the stored cell before the next finished()")
     return summary
+
+
+def eval_steps(grid: GridConfig, steps: int) -> List[int]:
+    """The steps after which a cell also scores the held-out set (``eval_steps`` and
+    ``endpoint_steps`` of the grid, within the run)."""
+    return sorted({int(s) for s in (*grid.eval_steps, *grid.endpoint_steps) if 1 <= s <= steps})
+
+
+def endpoint_summary(grid: GridConfig, held: Dict[int, float]) -> dict:
+    """CSV columns of the held-out curve: ``acc_s<step>`` per evaluation and, with
+    ``endpoint_steps``, the endpoint ``acc_mean_end`` (their mean: a step-to-step wobble of the
+    policy averages out; docs/stress_v5_plan.md chose it on pilot data)."""
+    out = {f"acc_s{s}": a for s, a in sorted(held.items())}
+    if grid.endpoint_steps:
+        at = [held[s] for s in grid.endpoint_steps if s in held]
+        out["acc_mean_end"] = sum(at) / len(at) if len(at) == len(grid.endpoint_steps) else math.nan
+    return out
 
 
 def curve_summary(curve: List[dict]) -> dict:
@@ -224,7 +248,27 @@ def finished(grid: GridConfig, cell: Cell) -> Optional[Dict]:
     f = Path(grid.work) / cell.id / SUMMARY
     if f.is_file():
         return json.loads(f.read_text())
-    return reuse(grid, cell) if grid.store else None
+    got = reuse(grid, cell) if grid.store else None
+    if got is None and grid.committed:
+        got = committed_rows(grid.committed).get(cell.id)
+    return got
+
+
+_committed: Dict[tuple, Dict[str, dict]] = {}
+
+
+def committed_rows(report_dir: str) -> Dict[str, dict]:
+    """cell id -> its row of ``<report_dir>/cells.csv`` (numbers parsed), read once per (file,
+    mtime): the grid's committed cells, finished wherever they ran."""
+    from megatron_p3o.stress.study import read_cells
+
+    f = Path(report_dir) / "cells.csv"
+    if not f.is_file():
+        return {}
+    k = (str(f.resolve()), f.stat().st_mtime_ns)
+    if k not in _committed:
+        _committed[k] = {r["cell"]: r for r in read_cells(f)}
+    return _committed[k]
 
 
 # -- the cells' store ----------------------------------------------------------------------------
@@ -294,7 +338,11 @@ def store_material(grid: GridConfig, cfg: TrainConfig) -> dict:
             node = node.get(k, {}) if isinstance(node, dict) else {}
         if isinstance(node, dict):
             node.pop(last, None)
+    extra = {}
+    if grid.eval_steps or grid.endpoint_steps:  # v5: the held-out curve and the endpoint's steps
+        extra = {"eval_steps": eval_steps(grid, cfg.steps), "endpoint_steps": grid.endpoint_steps}
     return {
+        **extra,
         "config": conf,
         "eval_limit": grid.eval_limit,
         "probe_prompts": grid.probe_prompts,

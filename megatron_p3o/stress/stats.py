@@ -1,4 +1,5 @@
-"""Paired comparisons of stress cells: P3O minus the best baseline, with bootstrap 95% CIs.
+"""Paired comparisons of stress cells: v2's prompt-level bootstrap, then (v3 on) the seed-level
+tests every report uses — from scipy.stats and statsmodels where they provide them.
 
 Why paired: every objective of a setting runs with the same seeds and is scored on the same
 held-out prompts, so the difference per (seed, prompt) removes most of the prompt-difficulty and
@@ -18,11 +19,15 @@ overstated and its wins understated.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
+import numpy as np
+import scipy.integrate
+import scipy.stats
+from statsmodels.stats.multitest import multipletests
+from statsmodels.stats.weightstats import ttost_paired
 
 
 @dataclass(frozen=True)
@@ -57,18 +62,17 @@ def paired_bootstrap(
         a, b: ``[S][N]`` per-prompt scores (e.g. 0/1 correctness) of the two objectives, row s
             of both from the same seed, column i from the same prompt.
     """
-    ta = torch.tensor(a, dtype=torch.float64)
-    tb = torch.tensor(b, dtype=torch.float64)
-    if ta.shape != tb.shape or ta.dim() != 2 or ta.numel() == 0:
-        raise ValueError(f"paired_bootstrap: shapes {tuple(ta.shape)} and {tuple(tb.shape)}")
+    ta = np.asarray(a, dtype=np.float64)
+    tb = np.asarray(b, dtype=np.float64)
+    if ta.shape != tb.shape or ta.ndim != 2 or ta.size == 0:
+        raise ValueError(f"paired_bootstrap: shapes {ta.shape} and {tb.shape}")
     d = ta - tb  # [S, N]
     s, n = d.shape
-    g = torch.Generator().manual_seed(seed)
-    seeds = torch.randint(0, s, (n_boot, s), generator=g)  # [B, S]
-    prompts = torch.randint(0, n, (n_boot, s, n), generator=g)  # [B, S, N]
-    reps = d[seeds[..., None], prompts].mean(dim=(1, 2))  # [B]
-    q = torch.tensor([(1 - level) / 2, 1 - (1 - level) / 2], dtype=torch.float64)
-    lo, hi = torch.quantile(reps, q).tolist()
+    g = np.random.default_rng(seed)
+    seeds = g.integers(0, s, (n_boot, s))  # [B, S]
+    prompts = g.integers(0, n, (n_boot, s, n))  # [B, S, N]
+    reps = d[seeds[..., None], prompts].mean(axis=(1, 2))  # [B]
+    lo, hi = np.quantile(reps, [(1 - level) / 2, 1 - (1 - level) / 2]).tolist()
     return PairedDiff(float(d.mean()), lo, hi, s, n)
 
 
@@ -105,91 +109,55 @@ def versus_best_baseline(
     return best, paired_bootstrap([mine[s] for s in common], [theirs[s] for s in common])
 
 
-# -- seed-level inference (stress study v3) -----------------------------------------------------
+# -- seed-level inference (stress study v3 on) ---------------------------------------------------
 #
 # The unit of inference is the seed: each seed is one independent training run, and the prompts
 # scored at its end are not independent replicates of the run (they share its weights). With S
 # seeds the two-level bootstrap above makes its interval from S per-seed differences, which at
 # S = 3 is about their min–max and covers far less than its nominal 95% (simulated in
 # tests/unit/test_stress_stats.py). Below: paired per-seed differences against comparators named
-# before the runs, a t-interval, an exact sign-flip permutation test over seeds, and Holm's
-# correction across every test of a report.
+# before the runs, the t-interval and paired t-test (scipy.stats), the exact sign-flip
+# permutation test over seeds (scipy.stats.permutation_test), TOST equivalence
+# (statsmodels' ttost_paired), Holm's correction (statsmodels' multipletests; the logically
+# bounded variant, which statsmodels does not have, is written here and tested against it) and
+# the power of both tests (scipy's noncentral t; the TOST's by integration over the s.d.).
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularized incomplete beta (modified Lentz)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 400):
-        m2 = 2 * m
-        for num in (
-            m * (b - m) * x / ((qam + m2) * (a + m2)),
-            -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2)),
-        ):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """I_x(a, b), the regularized incomplete beta function."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    ln = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(ln) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(ln) * _betacf(b, a, 1.0 - x) / b
+def t_ppf(q: float, df: float) -> float:
+    """The ``q`` quantile of Student's t with ``df`` degrees of freedom (scipy.stats.t)."""
+    return float(scipy.stats.t.ppf(q, df))
 
 
 def t_sf2(t: float, df: float) -> float:
     """Two-sided tail P(|T| ≥ |t|) of Student's t with ``df`` degrees of freedom."""
-    if math.isinf(t):
-        return 0.0
-    return _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return float(2.0 * scipy.stats.t.sf(abs(t), df))
 
 
-@lru_cache(maxsize=256)
-def t_ppf(q: float, df: float) -> float:
-    """The ``q`` quantile (0.5 < q < 1) of Student's t, by bisection on :func:`t_sf2`."""
-    if not 0.5 < q < 1.0:
-        raise ValueError(f"t_ppf: q={q} must be in (0.5, 1)")
-    lo, hi, target = 0.0, 1e6, 2.0 * (1.0 - q)
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if t_sf2(mid, df) > target:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+def t_sf1(t: float, df: float) -> float:
+    """Upper tail P(T ≥ t) of Student's t with ``df`` degrees of freedom."""
+    return float(scipy.stats.t.sf(t, df))
 
 
-def sign_flip_p(diffs: Sequence[float], n_mc: int = 200_000, seed: int = 0) -> float:
-    """Two-sided p of the exact sign-flip permutation test of mean(diffs) = 0: the share of the
-    2^S sign patterns (all of them for S ≤ 20, else ``n_mc`` random ones plus the observed) whose
-    |mean| is at least the observed one. Exact under symmetry of the per-seed differences."""
-    d = torch.tensor(list(diffs), dtype=torch.float64)
-    s = d.numel()
-    if s == 0:
+def sign_flip_p(diffs: Sequence[float], n_mc: int = 50_000, seed: int = 0) -> float:
+    """Two-sided p of the sign-flip permutation test of mean(diffs) = 0
+    (``scipy.stats.permutation_test`` with one sample: each sign flipped independently): exact
+    over all 2^S patterns for S ≤ 16, else ``n_mc`` random patterns. Exact under symmetry of the
+    per-seed differences; its floor is 2/2^S (0.125 at 4 seeds)."""
+    d = np.asarray(list(diffs), dtype=np.float64)
+    if d.size == 0:
         raise ValueError("sign_flip_p: no differences")
-    obs = d.mean().abs()
-    if s <= 20:
-        pats = torch.arange(2**s)[:, None].bitwise_right_shift(torch.arange(s)).bitwise_and(1)
-        signs = 1.0 - 2.0 * pats.double()  # [2^S, S]
-        stats = (signs @ d).abs() / s
-        return float((stats >= obs - 1e-12).double().mean())
-    g = torch.Generator().manual_seed(seed)
-    signs = 1.0 - 2.0 * torch.randint(0, 2, (n_mc, s), generator=g).double()
-    stats = (signs @ d).abs() / s
-    return float(((stats >= obs - 1e-12).sum() + 1) / (n_mc + 1))
+    if not np.any(d):
+        return 1.0
+    r = scipy.stats.permutation_test(
+        (d,),
+        lambda x, axis: np.mean(x, axis=axis),
+        permutation_type="samples",
+        vectorized=True,
+        n_resamples=np.inf if d.size <= 16 else n_mc,
+        alternative="two-sided",
+        rng=np.random.default_rng(seed),
+    )
+    return float(min(1.0, r.pvalue))
 
 
 def holm(pvalues: Sequence[float], max_true: Optional[int] = None) -> List[float]:
@@ -199,9 +167,15 @@ def holm(pvalues: Sequence[float], max_true: Optional[int] = None) -> List[float
     constraint: each comparison's superiority null Δ = 0 and its equivalence null |Δ| ≥ margin
     exclude each other, so a family of m comparisons tested both ways has 2m hypotheses of which
     at most m are true). The multiplier at step j (0-based) is then min(max_true, m − j), the
-    number of true nulls possible after any j rejections (Shaffer 1986, method 1); None: Holm."""
+    number of true nulls possible after any j rejections (Shaffer 1986, method 1): written here
+    (statsmodels has no such bound) and equal to statsmodels' Holm when the bound does not bind;
+    None: statsmodels' ``multipletests(method="holm")``."""
     m = len(pvalues)
-    cap = m if max_true is None else max(1, min(m, max_true))
+    if m == 0:
+        return []
+    if max_true is None or max_true >= m:
+        return [float(p) for p in multipletests(list(pvalues), method="holm")[1]]
+    cap = max(1, max_true)
     order = sorted(range(m), key=lambda i: pvalues[i])
     out, running = [0.0] * m, 0.0
     for rank, i in enumerate(order):
@@ -214,16 +188,11 @@ EQUIVALENCE_MARGIN = 0.02  # ±2 points of final accuracy: "no practical differe
 VERDICTS = ("better", "worse", "equivalent", "inconclusive")
 
 
-def t_sf1(t: float, df: float) -> float:
-    """Upper tail P(T ≥ t) of Student's t with ``df`` degrees of freedom."""
-    half = 0.5 * t_sf2(t, df)
-    return half if t >= 0 else 1.0 - half
-
-
 def tost_p(mean: float, sd: float, n: int, margin: float = EQUIVALENCE_MARGIN) -> float:
-    """p of the two one-sided paired t-tests (TOST) of equivalence within ±``margin``: the larger
-    of P(T ≥ (mean + margin)/se) under H0 Δ ≤ −margin and P(T ≤ (mean − margin)/se) under H0
-    Δ ≥ +margin, df = n − 1. Rejecting (p < α) says −margin < Δ < margin."""
+    """p of the two one-sided paired t-tests (TOST) of equivalence within ±``margin`` from the
+    summary (mean, s.d., n) of the differences: the larger one-sided p, df = n − 1. Rejecting
+    (p < α) says −margin < Δ < margin. (:func:`seed_paired` runs statsmodels' ``ttost_paired``
+    on the data; this is the same test from a summary, checked against it.)"""
     if n < 2:
         return 1.0
     if sd == 0:
@@ -242,7 +211,7 @@ class SeedTest:
 
     Why Holm on the t-test's p: the sign-flip test's smallest attainable p is 2/2^S (0.0078 at
     8 seeds), which no Holm threshold over a report's ~20 tests can reach; it is reported beside
-    the t-test as the assumption-free check, and a call needs it below ``alpha`` too."""
+    the t-test as the assumption-free check, and a v3 call needs it below ``alpha`` too."""
 
     comparator: str
     seeds: Tuple[int, ...]
@@ -290,9 +259,8 @@ def mean_sd(xs: Sequence[float]) -> Tuple[float, float]:
     """(mean, sample s.d.) over seeds; s.d. 0 for one value, (nan, nan) for none."""
     if not xs:
         return float("nan"), float("nan")
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return m, sd
+    a = np.asarray(list(xs), dtype=np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
 
 
 def seed_paired(
@@ -303,19 +271,28 @@ def seed_paired(
     margin: float = EQUIVALENCE_MARGIN,
 ) -> Optional[SeedTest]:
     """The paired seed-level test of ``subject`` − ``comparator`` (seed -> score, e.g. final
-    accuracy) on the seeds both have, with its TOST p at ±``margin``; None with fewer than 2
-    common seeds."""
+    accuracy) on the seeds both have: scipy's paired t-test and its t-interval, statsmodels'
+    TOST at ±``margin``, scipy's sign-flip permutation p; None with fewer than 2 common seeds."""
     common = sorted(set(subject) & set(comparator))
     if len(common) < 2:
         return None
-    d = [float(subject[s]) - float(comparator[s]) for s in common]
-    n = len(d)
-    mean, sd = mean_sd(d)
-    half = t_ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
-    p_t = t_sf2(mean / (sd / math.sqrt(n)), n - 1) if sd > 0 else (1.0 if mean == 0 else 0.0)
+    a = np.array([float(subject[s]) for s in common])
+    b = np.array([float(comparator[s]) for s in common])
+    d = a - b
+    mean, sd = mean_sd(d.tolist())
+    if sd > 0:
+        with warnings.catch_warnings():  # nearly equal differences: scipy warns, the test holds
+            warnings.simplefilter("ignore", RuntimeWarning)
+            r = scipy.stats.ttest_rel(a, b)
+            ci = r.confidence_interval(confidence_level=level)
+            p_tost = float(ttost_paired(a, b, -margin, margin)[0])
+        p_t, lo, hi = float(r.pvalue), float(ci.low), float(ci.high)
+    else:  # every seed the same difference: no spread to test against
+        p_t, lo, hi = (1.0 if mean == 0 else 0.0), mean, mean
+        p_tost = tost_p(mean, 0.0, len(d), margin)
     return SeedTest(
-        name, tuple(common), tuple(d), mean, sd, mean - half, mean + half, p_t, sign_flip_p(d),
-        margin=margin, p_tost=tost_p(mean, sd, n, margin),
+        name, tuple(common), tuple(d.tolist()), mean, sd, lo, hi, p_t, sign_flip_p(d),
+        margin=margin, p_tost=p_tost,
     )  # fmt: skip
 
 
@@ -352,7 +329,8 @@ def seed_scores(cells: List[dict], objective: str, mismatch: str, key: str = "ac
         if c["objective"] == objective
         and c["mismatch"] == mismatch
         and c["status"] == "ok"
-        and c.get(key) is not None
+        and c.get(key) not in (None, "")
+        and math.isfinite(float(c[key]))
     }
 
 
@@ -371,54 +349,82 @@ def best_baseline_bootstrap(
     if len(common) < 2 or not baselines:
         return None
     names = list(baselines)
-    sub = torch.tensor([subject[s] for s in common], dtype=torch.float64)
-    base = torch.tensor([[baselines[n][s] for s in common] for n in names], dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(common), (n_boot, len(common)), generator=g)
+    sub = np.array([subject[s] for s in common], dtype=np.float64)
+    base = np.array([[baselines[n][s] for s in common] for n in names], dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(common), (n_boot, len(common)))
     means = base[:, idx].mean(-1)  # [baselines, B]
     best = means.argmax(0)  # [B]
-    reps = sub[idx].mean(-1) - means.max(0).values
-    q = torch.tensor([(1 - level) / 2, 1 - (1 - level) / 2], dtype=torch.float64)
-    lo, hi = torch.quantile(reps, q).tolist()
-    chosen = {n: float((best == i).double().mean()) for i, n in enumerate(names)}
+    reps = sub[idx].mean(-1) - means.max(0)
+    lo, hi = np.quantile(reps, [(1 - level) / 2, 1 - (1 - level) / 2]).tolist()
+    chosen = {n: float((best == i).mean()) for i, n in enumerate(names)}
     diff = float(sub.mean() - base.mean(-1).max())
     return {"diff": diff, "lo": lo, "hi": hi, "chosen": chosen}
 
 
-def power_paired(delta: float, sd: float, n: int, alpha: float = 0.05, n_sim: int = 20000) -> float:
+def power_paired(delta: float, sd: float, n: int, alpha: float = 0.05) -> float:
     """Power of the two-sided paired t-test at level ``alpha`` for a true mean difference
-    ``delta`` with per-seed s.d. ``sd`` and ``n`` seeds (simulated, fixed generator)."""
-    g = torch.Generator().manual_seed(1)
-    x = delta + sd * torch.randn(n_sim, n, generator=g, dtype=torch.float64)
-    t = x.mean(-1) / (x.std(-1) / math.sqrt(n))
-    return float((t.abs() > t_ppf(1 - alpha / 2, n - 1)).double().mean())
+    ``delta`` with per-seed s.d. ``sd`` and ``n`` seeds: P(|T'| > c) for T' noncentral t with
+    n − 1 degrees of freedom and noncentrality delta·√n/sd (scipy.stats.nct, exact; statsmodels'
+    TTestPower is the same where it is finite, and NaN from about 100 seeds on)."""
+    df, nc = n - 1, delta / sd * math.sqrt(n)
+    c = t_ppf(1 - alpha / 2, df)
+    p = float(scipy.stats.nct.sf(c, df, nc) + scipy.stats.nct.cdf(-c, df, nc))
+    if math.isfinite(p):
+        return p
+    # scipy's nct gives NaN far out (noncentrality ≳ 40, thousands of seeds): the normal limit
+    return float(scipy.stats.norm.sf(c - nc) + scipy.stats.norm.cdf(-c - nc))
 
 
-def seeds_for_power(delta: float, sd: float, power: float = 0.8, alpha: float = 0.05) -> int:
-    """The fewest seeds (≥ 2) whose paired t-test reaches ``power`` for ``delta`` at ``sd``."""
-    n = 2
-    while power_paired(delta, sd, n, alpha) < power and n < 1000:
-        n += 1
-    return n
+def seeds_for_power(
+    delta: float, sd: float, power: float = 0.8, alpha: float = 0.05, cap: int = 100_000
+) -> int:
+    """The fewest seeds (≥ 2) whose paired t-test reaches ``power`` for ``delta`` at ``sd``
+    (bisection: the power rises with n); ``cap`` when even that many do not."""
+    return fewest_seeds(lambda n: power_paired(delta, max(sd, 1e-12), n, alpha) >= power, cap)
 
 
-def power_tost(sd: float, n: int, margin: float, alpha: float = 0.05, n_sim: int = 20000) -> float:
+def fewest_seeds(enough, cap: int = 100_000) -> int:
+    """The smallest n in [2, cap] with ``enough(n)`` (monotone in n); ``cap`` when none."""
+    if enough(2):
+        return 2
+    if not enough(cap):
+        return cap
+    lo, hi = 2, cap  # enough(hi), not enough(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if enough(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def power_tost(sd: float, n: int, margin: float, alpha: float = 0.05, delta: float = 0.0) -> float:
     """Power of the paired TOST at ±``margin`` (both one-sided t-tests at level ``alpha``) when
-    the true mean difference is 0 and the per-seed s.d. is ``sd`` with ``n`` seeds (simulated,
-    fixed generator)."""
-    g = torch.Generator().manual_seed(2)
-    x = sd * torch.randn(n_sim, n, generator=g, dtype=torch.float64)
-    m, se = x.mean(-1), x.std(-1) / math.sqrt(n)
-    crit = t_ppf(1 - alpha, n - 1)
-    return float((((m + margin) / se > crit) & ((margin - m) / se > crit)).double().mean())
+    the true mean difference is ``delta`` and the per-seed s.d. is ``sd`` with ``n`` seeds:
+    P(|mean − 0| + c·s/√n < margin) integrated over the sample s.d. s (s²(n−1)/sd² ~ χ²(n−1),
+    the mean normal and independent of it; c the t quantile). scipy's integrate.quad."""
+    df, c = n - 1, t_ppf(1 - alpha, n - 1)
+    se = sd / math.sqrt(n)
+    norm, chi2 = scipy.stats.norm, scipy.stats.chi2
+
+    def given(v):  # v = s²(n−1)/sd²: the mean must fall in (−margin + c·s/√n, margin − c·s/√n)
+        half = margin - c * se * math.sqrt(v / df)
+        if half <= 0:
+            return 0.0
+        return (norm.cdf((half - delta) / se) - norm.cdf((-half - delta) / se)) * chi2.pdf(v, df)
+
+    top = df * (margin / (c * se)) ** 2  # beyond it the acceptance region is empty
+    lo, hi = chi2.ppf(1e-13, df), min(top, chi2.isf(1e-13, df))  # where the χ² has its mass
+    if hi <= lo:
+        return 0.0
+    return float(scipy.integrate.quad(given, lo, hi, limit=200, points=[min(df, hi)])[0])
 
 
 def seeds_for_equivalence(
-    sd: float, margin: float, power: float = 0.8, alpha: float = 0.05, cap: int = 200
+    sd: float, margin: float, power: float = 0.8, alpha: float = 0.05, cap: int = 100_000
 ) -> int:
     """The fewest seeds (≥ 2) whose TOST at ±``margin`` reaches ``power`` when the arms are truly
-    equal and the per-seed s.d. of the difference is ``sd``; ``cap`` when more would be needed."""
-    n = 2
-    while n < cap and power_tost(sd, n, margin, alpha) < power:
-        n += 1
-    return n
+    equal and the per-seed s.d. of the difference is ``sd``; ``cap`` when even that many do
+    not."""
+    return fewest_seeds(lambda n: power_tost(sd, n, margin, alpha) >= power, cap)

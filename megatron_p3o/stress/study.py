@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
@@ -260,6 +261,8 @@ def power_rows(
         "|---" * 8 + "|",
     ]
     for g in grids:
+        if g.sequential:  # its looks decide: the design and the calls are in its report
+            continue
         if g.v4:  # its declared comparisons (on its test seeds under lr_select)
             from megatron_p3o.stress.report import _base_lr, v4_tests
 
@@ -269,8 +272,7 @@ def power_rows(
             tests = [t for *_, t in headline_tests(g, cells[g.name]) if t is not None]
         if not tests:
             continue
-        sds = sorted(t.sd for t in tests)
-        sd = sds[len(sds) // 2]
+        sd = statistics.median(t.sd for t in tests)  # the middle two averaged for an even count
         n, m = len(g.lr_select.test_seeds if g.lr_select else g.seeds), len(tests)
         lines.append(
             f"| {g.name} | {n} | {m} | {sd:.3f} | {power_paired(delta, sd, n):.2f} | "
@@ -392,7 +394,7 @@ def write_study(grid_paths: List[str], out: Path, title: str) -> Path:
         *power_rows(grids, cells),
         "",
     ]
-    v4 = [g for g in grids if g.v4]
+    v4 = [g for g in grids if g.v4 and not g.sequential]  # v5: calls by look, in its report
     if v4:
         table, text = family_rows(v4, cells)
         md += [
