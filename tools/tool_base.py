@@ -22,16 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+from make_base import MODEL  # tools/: the chain base's size, the same here
 
-MODEL = dict(
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
 ENV = "megatron_p3o.env.calc_env:CalculatorEnv"
 MAX_TURNS, MAX_TOTAL, MAX_NEW = 3, 48, 16  # = recipes/tiny_cpu_tools.yaml
 

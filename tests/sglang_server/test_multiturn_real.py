@@ -24,6 +24,7 @@ from megatron_p3o.runtime.ports import free_port
 
 from ..distributed import multiturn_bodies as mb
 from .conftest import kill_launched, log_tail
+from .test_engine_real import _hf_logprobs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
@@ -120,17 +121,3 @@ def test_a_weight_push_inside_turn_2(served_tool, tmp_path):
     new = _hf_logprobs(cfg, v6, s.prompt_ids + s.completion_ids[:a], s.completion_ids[a:])
     assert torch.allclose(lb[a : a + k], old[:k], atol=1e-4)
     assert torch.allclose(lb[a + k :], new[k:], atol=1e-4)
-
-
-def _hf_logprobs(cfg: dict, named: list, prompt: list, completion: list) -> torch.Tensor:
-    """Teacher-forced fp32 transformers log-probs of ``completion`` under ``named``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
-    model.load_state_dict(dict(named), strict=False)
-    model.eval()
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
