@@ -448,7 +448,7 @@ class Trainer:
         """``(accuracy, per-prompt correctness)``: greedy, in ``data.eval_precision``; the list
         (on every rank) is in file order, for paired comparisons across runs."""
         d = self.cfg.data
-        rows = all_rows(path, self.tok, d.prompt_key, d.answer_key)
+        rows = all_rows(path, self.tok, d.prompt_key, d.answer_key, chat=d.chat_template)
         rows = rows[:limit] if limit else rows
         mine = list(range(self.groups.dp_rank, len(rows), self.groups.layout.dp))
         items = None

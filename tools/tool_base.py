@@ -5,8 +5,12 @@ Why a mix: RL needs something to learn. Trained on tool conversations only, the 
 the calculator every time and copy its answer (nothing left to improve); on direct answers only,
 it would never call it (and a policy gradient cannot discover a tool it never samples). With a
 share ``--tool-share`` of tool conversations, sampling at temperature 1 calls the tool about
-that often, greedy decoding mostly answers directly (and mostly wrongly: two-digit products are
-beyond a 4-layer model in minutes), and RL raises the tool-call rate, and with it the accuracy.
+that often, greedy decoding answers directly, and RL raises the tool-call rate, and with it the
+accuracy. The direct answer taught is a shrug (``?``, never right): two-digit products are beyond
+a 4-layer model in minutes, and teaching it to guess them trains a mental-arithmetic path that
+competes with copying the tool's value (tried: after a guessing phase the answers that followed a
+tool call were right 2% of the time instead of 86%). Copying comes first (``copy_steps`` on tool
+conversations only), the mix after.
 
 The loss is on the assistant's tokens only (both turns of a tool conversation); the user's and
 the tool's tokens are context. Held-out accuracy is measured through the trainer's own turn loop
@@ -28,13 +32,16 @@ ENV = "megatron_p3o.env.calc_env:CalculatorEnv"
 MAX_TURNS, MAX_TOTAL, MAX_NEW = 3, 48, 16  # = recipes/tiny_cpu_tools.yaml
 
 
+SHRUG = "?"  # the direct answer the warm-up teaches (see the module docstring)
+
+
 def _examples(tok, rows, tool_share: float, rng: random.Random):
     """(ids, labels) of warm-up conversations: labels −100 except the assistant's tokens."""
     from megatron_p3o.data.tasks.tool_calc import conversation
 
     out = []
     for r in rows:
-        msgs = conversation(r["prompt"], r["answer"], rng.random() < tool_share)
+        msgs = conversation(r["prompt"], r["answer"], rng.random() < tool_share, SHRUG)
         ids, labels = [], []
         for k in range(len(msgs)):  # the render grows message by message (the template
             upto = tok.apply_chat_template(  # extends each prefix: checked in make_tokenizer)

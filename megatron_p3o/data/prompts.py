@@ -286,14 +286,16 @@ def encode_prompt(tok, text: str, chat: bool = False, add_bos: bool = True) -> L
 
 
 def all_rows(
-    path: str, tokenizer, prompt_key="prompt", answer_key="answer", add_bos=True
+    path: str, tokenizer, prompt_key="prompt", answer_key="answer", add_bos=True, chat=False
 ) -> List[Tuple[List[int], str]]:
-    """Every (prompt ids, answer) of a file, in order (evaluation sets)."""
+    """Every (prompt ids, answer) of a file, in order (evaluation sets), encoded as the training
+    prompts are (``chat``: through the tokenizer's chat template, ``data.chat_template``)."""
     d = PromptData(
         path,
         tokenizer,
         prompt_key=prompt_key,
         answer_key=answer_key,
+        chat_template=chat,
         shuffle=False,
         add_bos=add_bos,
     )

@@ -106,7 +106,7 @@ def _probe(trainer, n_prompts, path=None, keep=False, on_phase=None):
     d = cfg.data
     path = path or d.eval_path
     phase = on_phase or (lambda name: None)
-    rows = all_rows(path, trainer.tok, d.prompt_key, d.answer_key)
+    rows = all_rows(path, trainer.tok, d.prompt_key, d.answer_key, chat=d.chat_template)
     dp = g.layout.dp or 1
     n = min(n_prompts, len(rows)) // dp * dp
     if n == 0:

@@ -5,7 +5,8 @@ Prompt ``37*48+15``; the answer is its value, ``1791``. A 2-layer model does not
 products in minutes, but it can copy: a turn ``<calc>37*48+15</calc>`` gets the tool's output
 ``1791`` back as an observation, and copying that is the answer. The base model
 (``tools/make_base.py --task tool_calc``) is warmed up on a mix of such tool conversations and
-direct answers, so it calls the tool only sometimes; RL has the tool-call rate to raise.
+direct answers (a shrug, ``?``), so it calls the tool only sometimes; RL has the tool-call
+rate to raise.
 
 The tokenizer is byte-level BPE trained on the task's own text (the ``tokenizers`` library):
 digits and operators merge into multi-character tokens, so a model that samples ``1`` ``79``
