@@ -440,3 +440,17 @@ def test_the_calculator_env_through_the_loop_sees_its_special_tags(tok):
     (s,) = loop.run(eng, [[1, 2]], [EnvItem(0, "2*3+4", "10", 0)], 1, _sampling(tok, 16))
     text = tok.decode(s.completion_ids, skip_special_tokens=False)
     assert s.meta["tool_calls"] == 1 and s.reward == 1.0 and "<|tool|>10<|end|>" in text
+
+
+def test_evaluation_rows_are_encoded_as_training_prompts(tok, tmp_path):
+    """Held-out rows of a chat recipe go through the chat template, as the training prompts do
+    (they were encoded as plain text: a chat recipe was scored on prompts it never saw)."""
+    from megatron_p3o.data.prompts import PromptData, all_rows
+
+    path = tmp_path / "held.jsonl"
+    tool_calc.write_jsonl([{"prompt": "12*34+56", "answer": "464"}], path)
+    ((ids, answer),) = all_rows(str(path), tok, chat=True)
+    train = PromptData(str(path), tok, chat_template=True, shuffle=False)
+    assert ids == train.encode("12*34+56") and answer == "464"
+    assert ids[1] == tok.convert_tokens_to_ids("<|user|>")
+    assert ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
