@@ -5,7 +5,6 @@ Llama on the task's scratchpad completions, stopped inside a target held-out acc
     python tools/make_base.py --task chain_sum --train --out runs/my_base [--seed 0]
     python tools/make_base.py --task tool_calc --out runs/tool_base      # the shipped tool base
     python tools/make_base.py --task tool_calc --train --out runs/my_tool_base [--seed 0]
-        [--tool-share 0.3] [--max-steps 1500]
         [--target-acc 0.40] [--max-steps 3000]
 
 Without ``--train`` it installs the base shipped in ``bases/<task>`` (``tools/shipped_base.py``:
@@ -114,7 +113,6 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--train", action="store_true", help="train a new base, not the shipped one")
-    ap.add_argument("--tool-share", type=float, default=0.3, help="tool_calc: tool conversations")
     a = ap.parse_args(argv)
     changed = [k for k in ("seed", "task_seed", "train_size", "heldout_size", "target_acc",
                            "max_steps", "eval_every", "eval_prompts", "batch", "lr")
@@ -255,8 +253,7 @@ def _tool_base(out: Path, a) -> int:
     from checkpoints_convert.hf_to_megatron import convert
     from megatron_p3o.runtime.parallel import Layout, initialize
 
-    steps = a.max_steps if a.max_steps != 3000 else 1500
-    info = train(out, a.seed, a.tool_share, steps, a.batch, a.lr)
+    info = train(out, a.seed, batch=a.batch)  # tools/tool_base.PHASES (their rates)
     convert(str(out / "hf"), str(out / "ckpt"), groups=initialize(Layout()), dtype="float32")
     write_base_json(out, info)
     print(json.dumps(info))

@@ -9,8 +9,8 @@ that often, greedy decoding answers directly, and RL raises the tool-call rate, 
 accuracy. The direct answer taught is a shrug (``?``, never right): two-digit products are beyond
 a 4-layer model in minutes, and teaching it to guess them trains a mental-arithmetic path that
 competes with copying the tool's value (tried: after a guessing phase the answers that followed a
-tool call were right 2% of the time instead of 86%). Copying comes first (``copy_steps`` on tool
-conversations only), the mix after.
+tool call were right 2% of the time instead of 86%). Copying comes first (:data:`PHASES`), the
+shrug after.
 
 The loss is on the assistant's tokens only (both turns of a tool conversation); the user's and
 the tool's tokens are context. Held-out accuracy is measured through the trainer's own turn loop
@@ -35,13 +35,14 @@ MAX_TURNS, MAX_TOTAL, MAX_NEW = 3, 48, 16  # = recipes/tiny_cpu_tools.yaml
 SHRUG = "?"  # the direct answer the warm-up teaches (see the module docstring)
 
 
-def _examples(tok, rows, tool_share: float, rng: random.Random):
-    """(ids, labels) of warm-up conversations: labels −100 except the assistant's tokens."""
+def _examples(tok, rows, tool_share: float, rng: random.Random, direct=None):
+    """(ids, labels) of warm-up conversations: labels −100 except the assistant's tokens;
+    ``direct``: the direct answer taught (None: the true value)."""
     from megatron_p3o.data.tasks.tool_calc import conversation
 
     out = []
     for r in rows:
-        msgs = conversation(r["prompt"], r["answer"], rng.random() < tool_share, SHRUG)
+        msgs = conversation(r["prompt"], r["answer"], rng.random() < tool_share, direct or "")
         ids, labels = [], []
         for k in range(len(msgs)):  # the render grows message by message (the template
             upto = tok.apply_chat_template(  # extends each prefix: checked in make_tokenizer)
@@ -84,21 +85,29 @@ def heldout(model, tok, rows, limit: int) -> dict:
     }
 
 
-def train(
-    out: Path,
-    seed: int,
-    tool_share: float,
-    steps: int,
-    batch: int,
-    lr: float,
-    copy_steps: int = 0,
-) -> dict:
-    """Tokenizer, warm-up, ``hf/`` and the data files under ``out``; returns base.json's facts.
+# the warm-up's phases: (steps, share of tool conversations, the direct answer taught: None for
+# the true value, learning rate). 1: copying (the tool's value into the answer), with true
+# direct answers; 2: a fresh optimizer, the shrug, fewer tool conversations: the first answer
+# token moves toward answering directly, the copying stays
+PHASES = ((2000, 0.6, None, 3e-3), (300, 0.4, SHRUG, 1e-3))
 
-    Two phases: ``copy_steps`` on tool conversations only (copying the expression into the call
-    and the tool's value into the answer is what makes the tool worth calling), then
-    ``steps − copy_steps`` on the mix (``tool_share`` of tool conversations): the first answer
-    token's choice moves toward answering directly, the copying stays."""
+
+def _batches(pool, g, batch: int, pad: int):
+    idx = torch.randint(0, len(pool), (batch,), generator=g).tolist()
+    L = max(len(pool[i][0]) for i in idx)
+    x = torch.full((batch, L), pad)
+    y = torch.full((batch, L), -100)
+    for j, i in enumerate(idx):
+        ids, labels = pool[i]
+        x[j, : len(ids)] = torch.tensor(ids)
+        y[j, : len(ids)] = torch.tensor(labels)
+    return x, y
+
+
+def train(out: Path, seed: int, phases=PHASES, batch: int = 64, start=None):
+    """Tokenizer, warm-up, ``hf/`` and the data files under ``out``; returns base.json's facts.
+    ``start``: ``(phase, weights dir)`` to begin at a later phase from a model that finished the
+    earlier ones (the batches of those phases are drawn again, so the run is the same)."""
     from rich.progress import Progress
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -112,8 +121,7 @@ def train(
     write_jsonl(held_rows, out / "heldout.jsonl")
     tok = make_tokenizer(out / "hf", train_rows)
     rng = random.Random(seed)
-    tools = _examples(tok, train_rows, 1.0, rng)
-    data = _examples(tok, train_rows, tool_share, rng)
+    pools = [_examples(tok, train_rows, share, rng, direct) for _, share, direct, _ in phases]
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(tok),
@@ -123,37 +131,37 @@ def train(
         **MODEL,
     )
     model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
+    first = 0
+    if start is not None:
+        first, weights = start
+        model = LlamaForCausalLM.from_pretrained(weights)
+        for k in range(first):  # the earlier phases' batch draws
+            for _ in range(phases[k][0]):
+                torch.randint(0, len(pools[k]), (batch,), generator=g)
     with Progress() as bar:
-        task = bar.add_task("SFT tool_calc", total=steps)
-        for step in range(1, steps + 1):
-            pool = tools if step <= copy_steps else data
-            idx = torch.randint(0, len(pool), (batch,), generator=g).tolist()
-            L = max(len(pool[i][0]) for i in idx)
-            x = torch.full((batch, L), tok.pad_token_id)
-            y = torch.full((batch, L), -100)
-            for j, i in enumerate(idx):
-                ids, labels = pool[i]
-                x[j, : len(ids)] = torch.tensor(ids)
-                y[j, : len(ids)] = torch.tensor(labels)
-            loss = model(input_ids=x, labels=y).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            bar.advance(task)
-            if step % 250 == 0:
-                h = heldout(model, tok, held_rows, 100)
-                bar.console.print(f"step {step}: loss {loss.item():.3f}, held-out (100) {h}")
+        for k in range(first, len(phases)):
+            steps, _, _, lr = phases[k]
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+            task = bar.add_task(f"SFT tool_calc, phase {k + 1}", total=steps)
+            for step in range(1, steps + 1):
+                x, y = _batches(pools[k], g, batch, tok.pad_token_id)
+                loss = model(input_ids=x, labels=y).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                bar.advance(task)
+                if step % 250 == 0:
+                    h = heldout(model, tok, held_rows, 100)
+                    bar.console.print(f"phase {k + 1} step {step}: loss {loss.item():.3f}, "
+                                      f"held-out (100) {h}")  # fmt: skip
     model.eval()
     model.save_pretrained(out / "hf")
     h = heldout(model, tok, held_rows, len(held_rows))
     return {
         "task": "tool_calc",
         "seed": seed,
-        "tool_share": tool_share,
-        "copy_steps": copy_steps,
-        "sft_steps": steps,
+        "phases": [list(p) for p in phases],
         "heldout_greedy_acc": round(h["acc"], 4),
         "heldout_tool_call_rate": round(h["tool_call_rate"], 4),
         "heldout_size": len(held_rows),

@@ -68,15 +68,15 @@ def tool_call(expression: str) -> str:
 
 def conversation(expr: str, value: str, use_tool: bool, direct: str = "") -> List[dict]:
     """A warm-up conversation: the tool called and its output copied, or a direct answer
-    (``direct``: what the model says; the true value by default)."""
+    (``direct``: what the model says without the tool; the true value by default)."""
     msgs = [{"role": "user", "content": expr}]
     if use_tool:
-        msgs += [
+        return msgs + [
             {"role": "assistant", "content": tool_call(expr)},
             {"role": "tool", "content": value},
+            {"role": "assistant", "content": value},
         ]
-    msgs.append({"role": "assistant", "content": direct or value})
-    return msgs
+    return msgs + [{"role": "assistant", "content": direct or value}]
 
 
 def corpus(rows, rng: random.Random) -> List[str]:
