@@ -203,10 +203,10 @@ def main(argv=None) -> int:
     if (a.until_decided or a.looks) and not grid.sequential:
         raise ConfigError(f"--until-decided/--looks: grid {a.grid} has no sequential: design")
     running = not (a.list or a.report_only or a.worker)
+    if grid.base_hash and running:  # the base first: the hint that installs it comes first
+        check_base(grid, configs[0].model.checkpoint)
     if running:
         check_inputs(grid, configs)
-    if grid.base_hash and running:
-        check_base(grid, configs[0].model.checkpoint)
     if a.worker:
         i, n = (int(x) for x in a.worker.split("/"))
         if a.cells_file:

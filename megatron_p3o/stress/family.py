@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 from megatron_p3o.stress.grid import GridConfig, arm_of
-from megatron_p3o.stress.lr_sweep import arm_scores, chosen_rates
+from megatron_p3o.stress.lr_sweep import arm_scores, base_lr, chosen_rates
 from megatron_p3o.stress.stats import adjust_with_equivalence, mean_sd, seed_paired
 
 
@@ -155,10 +155,9 @@ def power_section(grid: GridConfig, cells: List[dict], delta: float = 0.05) -> L
     a call would need — 80% power for a true gap of ``delta`` (superiority) and for the TOST at
     the grid's margin when the arms are truly equal — at α 0.05 and at α 0.05/m (the first Holm
     step over the family's m comparisons, a lower bound of what the corrected test needs)."""
-    from megatron_p3o.stress.report import _base_lr
     from megatron_p3o.stress.stats import seeds_for_equivalence, seeds_for_power
 
-    rows = [r for r in v4_tests(grid, cells, _base_lr(grid))[0] if r[-1] is not None]
+    rows = [r for r in v4_tests(grid, cells, base_lr(grid))[0] if r[-1] is not None]
     if not rows:
         return []
     m, margin = len(rows), grid.equivalence_margin

@@ -247,3 +247,14 @@ def lr_section(grid: GridConfig, cells: List[dict], base_lr: Optional[float] = N
             f"{t.p_adj:.3g} | {t.p_perm:.3g} | **{t.call()}** |"
         )
     return lines
+
+
+def base_lr(grid: GridConfig):
+    """The base recipe's learning rate (what objectives without their own ``optim.lr`` use)."""
+    from megatron_p3o.config.loading import load_config
+    from megatron_p3o.runtime.errors import ConfigError
+
+    try:
+        return load_config(grid.base).optim.lr
+    except ConfigError:  # a report from cells alone (base recipe moved): rates from the grid only
+        return None

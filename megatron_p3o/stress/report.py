@@ -24,6 +24,7 @@ from megatron_p3o.stress.family import (  # noqa: F401 - re-exported: v4's names
 )
 from megatron_p3o.stress.grid import REPORTING_NOISE, GridConfig, arm_of, reports_noise
 from megatron_p3o.stress.long_run import long_run_section, plot_eval_curves
+from megatron_p3o.stress.lr_sweep import base_lr as _base_lr  # noqa: F401 - its old name
 from megatron_p3o.stress.lr_sweep import chosen_rates, lr_section
 from megatron_p3o.stress.mechanisms import epoch_rows, epoch_section, mechanisms_section
 from megatron_p3o.stress.plots import (
@@ -229,17 +230,6 @@ def _subsets(grid: GridConfig) -> str:
         f"{k} only {', '.join(m.objectives)}" for k, m in grid.mismatch.items() if m.objectives
     ]
     return "; " + "; ".join(parts) if parts else ""
-
-
-def _base_lr(grid: GridConfig):
-    """The base recipe's learning rate (what objectives without their own ``optim.lr`` use)."""
-    from megatron_p3o.config.loading import load_config
-    from megatron_p3o.runtime.errors import ConfigError
-
-    try:
-        return load_config(grid.base).optim.lr
-    except ConfigError:  # a report from cells alone (base recipe moved): rates from the grid only
-        return None
 
 
 _NOT_IN_CSV = ("final_per_prompt", "eval_curve")  # lists, kept in each cell.json

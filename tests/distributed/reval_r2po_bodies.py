@@ -54,7 +54,10 @@ def _last_stage_rows(groups, mbs, keys):
         for mb in mbs:
             r = mb["response"]
             for i, sid in enumerate(r["sample_index"].tolist()):
-                n = int(r["mask"][i].sum())
+                # the completion's length: its last policy token (a multi-turn sample's
+                # environment span sits mid-completion, mask 0)
+                on = r["mask"][i].nonzero()
+                n = int(on.max()) + 1 if on.numel() else 0
                 out[sid] = {
                     k: (r[k][i, :n].tolist() if r[k].dim() == 2 else float(r[k][i])) for k in keys
                 }
@@ -114,7 +117,7 @@ def reference_scores_f64(groups, family, init):
     with torch.no_grad():
         for i, s in enumerate(make_samples(family)):
             lp, lse, _ = _seq_forward(model, s, vocab)
-            out[i] = {"ref_logprobs": lp.tolist(), "ref_values": float(lse)}
+            out[i] = {"ref_logprobs": lp.tolist(), "ref_values": float(lse), "policy": s.mask()}
     return out
 
 
@@ -152,7 +155,8 @@ def reval_reference(groups, family, init, ref_init, compare_dirs=(), value_grad=
         group = [x.reward for x in samples if x.group_id == s.group_id]
         r = s.reward - sum(group) / len(group)
         v = v if value_grad else v.detach()
-        deltas.append(v - vr + (lp - lr).sum() - r / BETA)
+        m = torch.tensor(s.mask(), dtype=torch.float64)  # the policy's tokens only
+        deltas.append(v - vr + ((lp - lr) * m).sum() - r / BETA)
     d = torch.stack(deltas)
     loss = (d * d).mean()
     loss.backward()
@@ -328,8 +332,9 @@ def r2po_reference(groups, family, init, ref_init, compare_dirs=()):
         a = adv[i]
         surr = -torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)
         k3 = (mu - lr) + torch.exp(lr - mu) - 1.0
-        head_sum = head_sum + (surr + 0.04 * k3).sum()
-        n_tok += mu.numel()
+        m = torch.tensor(s.mask(), dtype=torch.bool)  # environment tokens reach no loss
+        head_sum = head_sum + (surr + 0.04 * k3)[m].sum()
+        n_tok += int(m.sum())
     head_loss = head_sum / n_tok
     head_loss.backward()
     head_grads = {"w1": w1.grad.clone(), "w2": w2.grad[:vocab].clone()}
@@ -341,8 +346,9 @@ def r2po_reference(groups, family, init, ref_init, compare_dirs=()):
         group = [x.reward for x in samples if x.group_id == s.group_id]
         a = s.reward - sum(group) / len(group)
         ratio = torch.exp(lp - lp.detach())
-        pol.append((-torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a)).mean())
-        old[i] = lp.detach().tolist()
+        m = torch.tensor(s.mask(), dtype=torch.bool)
+        pol.append((-torch.minimum(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a))[m].mean())
+        old[i] = {"ref_logprobs": lp.detach().tolist(), "policy": s.mask()}
     pol_loss = torch.stack(pol).mean()
     pol_loss.backward()
     _, errors = grad_errors(groups, family, model, compare_dirs, dtype=torch.float64)
@@ -353,3 +359,11 @@ def r2po_reference(groups, family, init, ref_init, compare_dirs=()):
         "old": old,
         "errors": errors,
     }
+
+
+def policy_err(got, want):
+    """Largest |Δℓref| over the tokens the policy sampled (a trajectory's environment tokens
+    carry no log-prob), after checking both sides cover the same completion."""
+    assert len(got["ref_logprobs"]) == len(want["ref_logprobs"]), (got, want)
+    pairs = zip(got["ref_logprobs"], want["ref_logprobs"], want["policy"])
+    return max(abs(a - b) for a, b, m in pairs if m)

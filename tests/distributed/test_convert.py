@@ -1,5 +1,6 @@
 """HF ↔ Megatron conversion: logits, bitwise round trips, live export, bad inputs."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -54,6 +55,10 @@ def test_converted_logits_match_transformers(pools, converted, family, layout):
     hf_dir, model, ckpt = converted(family)
     ids = cb.prompt_ids(model.config.vocab_size)
     world = 1 if layout == Layout() else 2
+    cfg = model.config
+    experts = getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0)
+    if experts and layout.tp > 1:  # MoE under TP: only with sequence parallelism (check_model)
+        layout = dataclasses.replace(layout, sequence_parallel=True)
     res = [
         r
         for r in pools(world).run(cb.ckpt_logits, layout, ckpt=str(ckpt), ids=ids)

@@ -21,6 +21,10 @@ from . import reval_r2po_bodies as rb
 
 REL = 1e-6  # the kernel against float64
 REL_F64 = 2e-6  # fp32 models against float64 references (as the packing / ReVal tests)
+# fp32 gradients against float64: a small tensor's (a q-norm weight's) relative error reached
+# 2.1e-6 on one CPU; a bound a few times the measured error survives another CPU's rounding,
+# while a leak of one environment token or a wrong scale moves gradients by 1e-3 or more
+REL_GRAD = 1e-5
 pytestmark = pytest.mark.distributed
 
 
@@ -100,7 +104,7 @@ def _check_step(pools, tmp_path, init, family, layout, objective="p3o", dispatch
     assert losses and all(abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) for x in losses)
     if objective == "p3o":
         assert all(abs(r["metrics"]["ess"] - ref["ess"]) < REL_F64 for r in res)
-    bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+    bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_GRAD}
     assert not bad, f"{family} {objective} {layout}: gradients differ: {bad}"
 
 
@@ -128,7 +132,7 @@ def test_reference_scores_fused(pools, init_ckpts, layout):
     got = got[0]["scores"]
     assert sorted(got) == sorted(want)
     for i, w in want.items():
-        lp_err = max(abs(a - b) for a, b in zip(got[i]["ref_logprobs"], w["ref_logprobs"]))
+        lp_err = rb.policy_err(got[i], w)
         assert lp_err < 2e-5, (i, lp_err)  # the reference-model test's bounds
         assert abs(got[i]["ref_values"] - w["ref_values"]) < 2e-5 * abs(w["ref_values"])
 
@@ -153,7 +157,7 @@ def test_reval_fused_equals_float64(pools, tmp_path, init_ckpts, ref_init, layou
     assert all(r["fused_calls"] > 0 for r in res if r["last"])
     losses = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
     assert losses and all(abs(x - ref["loss"]) <= REL_F64 * ref["loss"] for x in losses)
-    bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+    bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_GRAD}
     assert not bad, bad
 
 
@@ -175,7 +179,7 @@ def test_r2po_head_fused_equals_float64(pools, tmp_path, init_ckpts, ref_init):
         assert abs(r["policy"]["loss"] - ref["policy_loss"]) <= 1e-6 * max(
             abs(ref["policy_loss"]), 1e-3
         )
-    bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+    bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_GRAD}
     assert not bad, bad
 
 

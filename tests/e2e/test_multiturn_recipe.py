@@ -72,3 +72,20 @@ def test_the_tool_recipe_trains_exports_and_its_export_answers(tool_base, tmp_pa
                         "--ckpt", str(tmp_path / "t")], capture_output=True, text=True, env=ENV,
                        cwd=ROOT, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
+
+
+@pytest.mark.e2e
+def test_the_tool_recipe_learns_to_call_the_tool(tool_base, tmp_path):
+    """The shipped base shrugs at greedy decoding and calls the calculator on about a third of
+    its samples; ten steps of the recipe (the full batch) raise held-out accuracy by ≥ 15
+    points and the tool-call rate (measured here: 0.00 → 0.91, 0.45 → 0.90 calls per
+    trajectory)."""
+    held = ("--set", f"data.eval_path={tool_base / 'heldout.jsonl'}", "--set",
+            "batch.prompts_per_rollout=32", "--set", "data.eval_every=10")  # fmt: skip
+    rc, log = _run(_cmd(tool_base, tmp_path, "learn", 10, *held), tmp_path, "learn")
+    assert rc == 0, log[-3000:]
+    acc = [json.loads(x)["eval/heldout_accuracy"]
+           for x in (tmp_path / "learn" / "eval.jsonl").read_text().splitlines()]  # fmt: skip
+    rows = [json.loads(x) for x in _metrics_lines(tmp_path / "learn")]
+    assert acc[-1] - acc[0] >= 0.15, acc
+    assert rows[-1]["mt_tool_calls"] > rows[0]["mt_tool_calls"] + 0.1, rows
