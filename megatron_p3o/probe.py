@@ -114,7 +114,8 @@ def probe(cfg, groups, n_prompts: int, con) -> dict:
 
     engine = engine_of(cfg)
     words = {
-        "sample": f"sampling one completion per prompt from the {engine['name']} engine",
+        "sample": f"sampling one completion per prompt from the {engine['name']} engine"
+        + (" (multi-turn: through the turn loop)" if cfg.rollout.multi_turn else ""),
         "score": f"scoring them with the trainer ({cfg.model.params_dtype})",
         "gather": "gathering every rank's tokens",
     }

@@ -46,6 +46,26 @@ def _what(spec, grid_name: str) -> str:
     return f"{spec.family} {spec.level:g}{chain}"
 
 
+def _level(grid, setting, spec, at, arms, failed, calls) -> dict:
+    """One setting's row: its measured mismatch (the cells' probe means), which arms held."""
+
+    def mean(k):
+        return sum(c[k] for c in at) / len(at)
+
+    return {
+        "setting": setting,
+        "grid": grid.name,
+        "task": "reasoning_gym:chain_sum" if "chain" in grid.name else "arithmetic",
+        "what": _what(spec, grid.name),
+        "per_token": round(mean("probe_abs_dlogp"), 4),
+        "per_sequence": round(mean("probe_abs_seq_dlogp"), 4),
+        "kl": float(f"{mean('probe_kl_b_theta'):.3g}"),
+        "held": tuple(a for a in arms if a not in failed),
+        "failed": failed,
+        "calls": calls,
+    }
+
+
 def levels_v5(grid_path: str, report_dir: str) -> list:
     """The levels of a sequential (v5) grid from its committed ``calls.csv`` (the final calls:
     an arm **failed** where it is called worse than P3O, P3O where an arm is called better; the
@@ -60,9 +80,6 @@ def levels_v5(grid_path: str, report_dir: str) -> list:
         at = [c for c in cells if c["mismatch"] == mm and c["probe_abs_dlogp"] is not None]
         if spec.family not in EXOGENOUS or not at:
             continue
-
-        def mean(k, at=at):
-            return sum(c[k] for c in at) / len(at)
 
         arms = sorted({arm_of(c["objective"]) for c in cells if c["mismatch"] == mm})
         failed, got = {}, {}
@@ -80,20 +97,8 @@ def levels_v5(grid_path: str, report_dir: str) -> list:
                 failed[r["comparator"]] = (
                     failed.get(r["comparator"], "") + f"{sep}{r['arm']} better ({what})"
                 )
-        out.append(
-            {
-                "setting": mm if "chain" not in grid.name else f"chain {mm}",
-                "grid": grid.name,
-                "task": "reasoning_gym:chain_sum" if "chain" in grid.name else "arithmetic",
-                "what": _what(spec, grid.name),
-                "per_token": round(mean("probe_abs_dlogp"), 4),
-                "per_sequence": round(mean("probe_abs_seq_dlogp"), 4),
-                "kl": float(f"{mean('probe_kl_b_theta'):.3g}"),
-                "held": tuple(a for a in arms if a not in failed),
-                "failed": failed,
-                "calls": got,
-            }
-        )
+        setting = mm if "chain" not in grid.name else f"chain {mm}"
+        out.append(_level(grid, setting, spec, at, arms, failed, got))
     return out
 
 
@@ -113,9 +118,6 @@ def levels(grid_path: str, report_dir: str) -> list:
         if not at:
             continue
 
-        def mean(k, at=at):
-            return sum(c[k] for c in at) / len(at)
-
         arms = sorted({arm_of(c["objective"]) for c in cells if c["mismatch"] == mm})
         failed, calls = {}, {}
         for _, setting, arm, comp, _, _, t in rows:
@@ -130,20 +132,8 @@ def levels(grid_path: str, report_dir: str) -> list:
                 failed.setdefault(comp, "")
                 sep = "; " if failed[comp] else ""
                 failed[comp] += f"{sep}{arm} better by {t.mean:.3f} ({what})"
-        out.append(
-            {
-                "setting": mm if grid.name.endswith("v4_tiny_cpu") else f"chain {mm}",
-                "grid": grid.name,
-                "task": "reasoning_gym:chain_sum" if "chain" in grid.name else "arithmetic",
-                "what": _what(spec, grid.name),
-                "per_token": round(mean("probe_abs_dlogp"), 4),
-                "per_sequence": round(mean("probe_abs_seq_dlogp"), 4),
-                "kl": float(f"{mean('probe_kl_b_theta'):.3g}"),
-                "held": tuple(a for a in arms if a not in failed),
-                "failed": failed,
-                "calls": calls,
-            }
-        )
+        setting = mm if grid.name.endswith("v4_tiny_cpu") else f"chain {mm}"
+        out.append(_level(grid, setting, spec, at, arms, failed, calls))
     return out
 
 

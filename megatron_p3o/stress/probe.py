@@ -111,12 +111,21 @@ def _probe(trainer, n_prompts, path=None, keep=False, on_phase=None):
     n = min(n_prompts, len(rows)) // dp * dp
     if n == 0:
         raise DataError(f"probe: {path} has {len(rows)} prompts, fewer than {dp} (one per DP rank)")
-    mine = [r[0] for r in rows[:n]][g.dp_rank :: dp]
+    idx = list(range(n))[g.dp_rank :: dp]
+    mine = [rows[i][0] for i in idx]
+    items = None
+    if getattr(trainer, "turns", None) is not None:  # multi-turn: trajectories through the loop
+        from megatron_p3o.data.prompts import prompt_texts
+        from megatron_p3o.env.types import EnvItem
+
+        texts = prompt_texts(path, d.prompt_key)
+        items = [EnvItem(i, texts[i], rows[i][1], i) for i in idx]
     sampling = trainer.sampling
     if cfg.rollout.engine_temperature is not None:  # the engine samples at its own temperature
         sampling = replace(sampling, temperature=cfg.rollout.engine_temperature)
     phase("sample")
-    samples = trainer.rollout.evaluate(mine, sampling, trainer.step_idx)
+    # the environment's tokens are masked: only the policy's are scored
+    samples = trainer.rollout.evaluate(mine, sampling, trainer.step_idx, None, items)
     per_step, _ = trainer.batcher.build(samples, [0.0] * len(samples))
     phase("score")
     sums = torch.zeros(5, dtype=torch.float64, device=g.device)

@@ -89,3 +89,29 @@ def test_the_tool_recipe_learns_to_call_the_tool(tool_base, tmp_path):
     rows = [json.loads(x) for x in _metrics_lines(tmp_path / "learn")]
     assert acc[-1] - acc[0] >= 0.15, acc
     assert rows[-1]["mt_tool_calls"] > rows[0]["mt_tool_calls"] + 0.1, rows
+
+
+@pytest.mark.e2e
+def test_the_probe_scores_the_policys_tokens_of_whole_trajectories(tool_base, tmp_path):
+    """The probe on the tool recipe samples trajectories through the turn loop (more policy
+    tokens than one model turn gives) and scores only the policy's tokens: an environment
+    token (ℓb = 0) in the scored set would put mean |ℓθ − ℓb| near its ℓθ, nats, not bf16's
+    1e-3, and pull e_B well below 1."""
+    import subprocess
+
+    def probe(name, *extra):
+        sets = {"model.checkpoint": tool_base / "ckpt", "data.path": tool_base / "train.jsonl",
+                "data.eval_path": tool_base / "heldout.jsonl", "run.dir": tmp_path,
+                "run.name": name}  # fmt: skip
+        args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+        cmd = [sys.executable, "-m", "megatron_p3o.probe", RECIPE, *args, *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((tmp_path / name / "probe" / "probe.json").read_text())
+
+    multi = probe("multi")
+    single = probe("single", "--set", "rollout.multi_turn=null")
+    assert multi["prompts"]["used"] == single["prompts"]["used"]
+    assert multi["tokens"] > single["tokens"] * 1.1, (multi["tokens"], single["tokens"])
+    assert multi["per_token"]["mean_abs_dlogp"] < 0.02, multi["per_token"]
+    assert multi["ess"] > 0.999, multi["ess"]

@@ -159,3 +159,23 @@ def test_loading_reads_only_and_the_task_files_come_from_with_task_files(tmp_pat
         load_config(None, sets + ["data.path=mine.jsonl"]).with_task_files()
     with pytest.raises(ConfigError, match=r"data.task=.* set reward.kind: reasoning_gym"):
         load_config(None, sets + ["reward.kind=exact_match"])
+
+
+def test_the_splits_written_for_one_run_dir_serve_a_config_moved_to_another(tmp_path):
+    """The probe (and any tool that reruns a recipe in a scratch run directory) keeps the
+    splits the recipe's run wrote: the same task's files are accepted wherever run.dir now
+    points; a path the user set beside the task, or the task's folder without its file, is
+    still refused."""
+    from dataclasses import replace
+
+    cfg = _cfg(tmp_path / "a").with_task_files()
+    moved = replace(cfg, run=replace(cfg.run, dir=str(tmp_path / "scratch")))
+    assert moved.with_task_files().data.path == cfg.data.path
+    other = tmp_path / "mine" / "train.jsonl"
+    other.parent.mkdir()
+    other.write_text(Path(cfg.data.path).read_text())
+    with pytest.raises(ConfigError, match="set one of them"):
+        replace(moved, data=replace(moved.data, path=str(other))).with_task_files()
+    Path(cfg.data.path).unlink()
+    with pytest.raises(ConfigError, match="set one of them"):
+        moved.with_task_files()
