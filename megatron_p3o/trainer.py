@@ -25,8 +25,7 @@ from megatron_p3o.checkpoint.state import (
 )
 from megatron_p3o.config.loading import to_dict
 from megatron_p3o.config.train_config import TrainConfig
-from megatron_p3o.data.prompts import PromptData, all_rows, prompt_texts, remap_states
-from megatron_p3o.env.types import EnvItem
+from megatron_p3o.data.prompts import PromptData, all_rows, eval_items, remap_states
 from megatron_p3o.logprob.reference import ReferenceModel
 from megatron_p3o.loss import build_objective
 from megatron_p3o.model.builder import BuildOptions, build_model
@@ -453,8 +452,7 @@ class Trainer:
         mine = list(range(self.groups.dp_rank, len(rows), self.groups.layout.dp))
         items = None
         if self.turns is not None:  # the same turn loop as the rollouts, greedy
-            texts = prompt_texts(path, d.prompt_key)
-            items = [EnvItem(i, texts[i], rows[i][1], i) for i in mine]
+            items = eval_items(path, d.prompt_key, rows, mine)
         samples = self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling(), items)
         score = torch.zeros(len(rows), dtype=torch.float64, device=self.groups.device)
         if items is not None:

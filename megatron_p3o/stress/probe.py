@@ -115,11 +115,9 @@ def _probe(trainer, n_prompts, path=None, keep=False, on_phase=None):
     mine = [rows[i][0] for i in idx]
     items = None
     if getattr(trainer, "turns", None) is not None:  # multi-turn: trajectories through the loop
-        from megatron_p3o.data.prompts import prompt_texts
-        from megatron_p3o.env.types import EnvItem
+        from megatron_p3o.data.prompts import eval_items
 
-        texts = prompt_texts(path, d.prompt_key)
-        items = [EnvItem(i, texts[i], rows[i][1], i) for i in idx]
+        items = eval_items(path, d.prompt_key, rows, idx)
     sampling = trainer.sampling
     if cfg.rollout.engine_temperature is not None:  # the engine samples at its own temperature
         sampling = replace(sampling, temperature=cfg.rollout.engine_temperature)
