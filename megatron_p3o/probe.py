@@ -7,8 +7,8 @@ embedded engine at any precision, or an SGLang server (``rollout.sglang.url``, o
 at the same weights. Writes ``probe.json`` and ``probe.png`` to ``--out`` (default
 ``runs/<run.name>/probe/``): per-token |Δℓ| (mean, p50, p99, by completion position), per-sequence
 |ΣΔℓ|, KL(πb‖πθ), the ESS e_B and the ρ = πθ/πb histogram, every token's ℓθ and ℓb, and the stress
-study's verdict for that level (:mod:`megatron_p3o.stress.verdicts`: the v4 study's levels, v3's
-for the engines v4 did not run).
+study's verdict for that level (:mod:`megatron_p3o.stress.verdicts`: the v5 study's levels, v3's
+for the engines v5 did not run).
 
 Builds the trainer as ``megatron_p3o.train`` does (one process, or torchrun) but never trains and
 never writes a checkpoint; the trainer's scratch run directory is ``OUT/trainer/`` (its

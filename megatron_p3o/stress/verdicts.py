@@ -1,40 +1,44 @@
 """Which objectives held at which train–rollout mismatch level: the stress studies' findings as
 data, for ``python -m megatron_p3o.probe`` to place a measured engine against.
 
-Source: the **v4 study** (issue 43; ``docs/stress_v4.md``, pre-registered in
-``docs/stress_v4_plan.md``): the tiny addition model, 30 steps, 7 arms, each arm's rate chosen
-on seeds 1–4 and compared with P3O on seeds 5–8 in one Holm family of 66 (TOST ±0.02); and its
-chain_sum replication (27–61-token completions, 8 seeds, its own family). Its engine-side
-levels (bf16; logit noise σ 0.9, 1.2; per-channel rounding of the engine's weights at three
-steps; chain σ 0.6, 1.2) come from ``tools/verdict_levels.py`` on the committed reports: each
-level's mismatch is the mean of its cells' probe columns (``probe_abs_dlogp``,
-``probe_abs_seq_dlogp``, ``probe_kl_b_theta``, at the base weights on 64 held-out prompts).
-Engines v4 did not run keep the **v3 study**'s calls (``docs/stress_v3.md``): the real SGLang
-bf16 server, simulated FP8, engine temperature, logit σ 0.3 / 0.6 and the 150-step σ 1.2 run.
+Source: the **v5 study** (issue 54; ``docs/stress_v5.md``, pre-registered in
+``docs/stress_v5_plan.md``): the tiny addition model, 30 steps, P3O against TIS, GRPO with ℓold
+recomputed and P3O with ``kl_scale: 0`` at the rates v4 chose, seeds paired across arms, looks at
+8 → 16 → 24 → 40 test seeds, repeated confidence intervals with each comparison's α/33 spent over
+the looks (Hwang–Shih–DeCani, γ −2); calls better / worse / equivalent (inside ±0.02) / undecided
+at cap. Its chain_sum replication (27–61-token completions, cap 16 seeds) is its own family.
+Its engine-side levels (bf16; logit noise σ 0.9, 1.2; per-channel rounding of the engine's
+weights at three steps; chain σ 0.6, 1.2) come from ``tools/verdict_levels.py`` on the
+committed ``calls.csv`` and ``cells.csv``: each level's mismatch is the mean of its cells' probe
+columns (``probe_abs_dlogp``, ``probe_abs_seq_dlogp``, ``probe_kl_b_theta``, at the base
+weights on 64 held-out prompts). Engines v5 did not run keep the **v3 study**'s calls
+(``docs/stress_v3.md``): the real SGLang bf16 server, simulated FP8, engine temperature, logit
+σ 0.3 / 0.6 and the 150-step σ 1.2 run. (v4's levels are all re-run by v5 and give way to it.)
 
 Only engine-side (exogenous) levels are here: what a probe can measure. Staleness, reuse and
 corrupted reported ℓb are not an engine's mismatch (the probe does not see them).
 
-An objective *failed* at a v4 level when the corrected family calls it worse than P3O there,
-and P3O failed where an arm is called better than it; every other arm that ran there *held*
-(no corrected loss — with 4 test seeds mostly "inconclusive", not "equivalent": each level keeps
-its calls). At a v3 level an objective held when it had no Holm-corrected loss to its own
-control nor (P3O) to a pre-registered comparator.
+An objective *failed* at a v5 level when the study calls it worse than P3O there, and P3O failed
+where an arm is called better than it; every other arm that ran there *held* (no loss: each level
+keeps its calls — "equivalent" is a decided ±0.02 margin, "undecided at cap" is not). At a v3 level
+an objective held when it had no Holm-corrected loss to its own control nor (P3O) to a
+pre-registered comparator.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List
 
-STUDY = "v4"
+STUDY = "v5"
 SOURCE = (
-    "docs/stress_v4.md (the declared family's calls; tools/verdict_levels.py on "
-    "docs/stress_v4_tiny_cpu and docs/stress_v4_chain_tiny_cpu); engines v4 did not run: "
+    "docs/stress_v5.md (the sequential study's final calls; tools/verdict_levels.py on "
+    "docs/stress_v5_tiny_cpu and docs/stress_v5_chain_tiny_cpu); engines v5 did not run: "
     "docs/stress_v3.md"
 )
 NOTE = (
-    "tiny models on CPU; v4's calls (4 test seeds: 'held' is no corrected loss, mostly "
-    "inconclusive), v3's for SGLang bf16, FP8, engine temperature and logit sigma <= 0.6"
+    "tiny models on CPU; v5's calls (8-40 paired test seeds: 'held' is no loss, equivalent "
+    "within +-0.02 or undecided at the cap), v3's for SGLang bf16, FP8, engine temperature and "
+    "logit sigma <= 0.6"
 )
 
 _ADD9 = ("p3o", "p3o_no_kl", "grpo", "tis", "p4o", "icepop", "m2po", "decoupled_ppo",
@@ -200,148 +204,114 @@ _V3: List[dict] = [
 ]
 
 
-# the v4 levels: python tools/verdict_levels.py recipes/stress_v4_tiny_cpu.yaml
-# docs/stress_v4_tiny_cpu recipes/stress_v4_chain_tiny_cpu.yaml docs/stress_v4_chain_tiny_cpu
-_V4: List[dict] = [
+# the v5 levels (the sequential study's final calls): python tools/verdict_levels.py
+# recipes/stress_v5_tiny_cpu.yaml docs/stress_v5_tiny_cpu recipes/stress_v5_chain_tiny_cpu.yaml
+# docs/stress_v5_chain_tiny_cpu
+_V5: List[dict] = [
     {'setting': 'bf16',
-     'grid': 'stress_v4_tiny_cpu',
+     'grid': 'stress_v5_tiny_cpu',
      'task': 'arithmetic',
      'what': 'embedded bf16 engine (the control)',
-     'per_token': 0.0082,
-     'per_sequence': 0.0222,
-     'kl': 0.000155,
-     'held': ('grpo_bypass',
-              'grpo_recompute',
-              'p3o',
-              'p3o_capped',
-              'p3o_no_kl',
-              'p3o_noclip',
-              'tis'),
+     'per_token': 0.0083,
+     'per_sequence': 0.0224,
+     'kl': 0.000169,
+     'held': ('grpo_recompute', 'p3o', 'p3o_no_kl', 'tis'),
      'failed': {},
-     'calls': {'p3o_no_kl': 'inconclusive',
-               'p3o_capped': 'inconclusive',
-               'p3o_noclip': 'inconclusive',
-               'tis': 'inconclusive',
-               'grpo_bypass': 'inconclusive',
-               'grpo_recompute': 'inconclusive'}},
+     'calls': {'tis': 'equivalent', 'grpo_recompute': 'equivalent', 'p3o_no_kl': 'equivalent'}},
     {'setting': 'logit_0.9',
-     'grid': 'stress_v4_tiny_cpu',
+     'grid': 'stress_v5_tiny_cpu',
      'task': 'arithmetic',
      'what': 'engine logit noise σ 0.9',
-     'per_token': 0.2848,
-     'per_sequence': 0.7388,
-     'kl': 0.119,
-     'held': ('grpo_bypass',
-              'grpo_recompute',
-              'p3o',
-              'p3o_capped',
-              'p3o_no_kl',
-              'p3o_noclip',
-              'tis'),
-     'failed': {},
-     'calls': {'p3o_no_kl': 'inconclusive',
-               'p3o_capped': 'inconclusive',
-               'p3o_noclip': 'inconclusive',
-               'tis': 'inconclusive',
-               'grpo_bypass': 'inconclusive',
-               'grpo_recompute': 'inconclusive'}},
+     'per_token': 0.281,
+     'per_sequence': 0.7326,
+     'kl': 0.109,
+     'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'failed': {'p3o': 'tis better (+0.035 [+0.003, +0.068] at look 2 (16 seeds), p 0.02122); '
+                       'grpo_recompute better (+0.030 [+0.009, +0.051] at look 2 (16 seeds), p '
+                       '0.001173); p3o_no_kl better (+0.045 [+0.013, +0.077] at look 2 (16 '
+                       'seeds), p 0.001169)'},
+     'calls': {'tis': 'better', 'grpo_recompute': 'better', 'p3o_no_kl': 'better'}},
     {'setting': 'logit_1.2',
-     'grid': 'stress_v4_tiny_cpu',
+     'grid': 'stress_v5_tiny_cpu',
      'task': 'arithmetic',
      'what': 'engine logit noise σ 1.2',
-     'per_token': 0.3825,
-     'per_sequence': 1.0325,
-     'kl': 0.188,
-     'held': ('grpo_bypass', 'grpo_recompute', 'p3o_capped', 'p3o_no_kl', 'p3o_noclip', 'tis'),
-     'failed': {'p3o': 'grpo_recompute better by 0.128 (+0.128 [+0.104, +0.153], Holm p 0.03)'},
-     'calls': {'p3o_no_kl': 'inconclusive',
-               'p3o_capped': 'inconclusive',
-               'p3o_noclip': 'inconclusive',
-               'tis': 'inconclusive',
-               'grpo_bypass': 'inconclusive',
-               'grpo_recompute': 'better'}},
+     'per_token': 0.3659,
+     'per_sequence': 0.988,
+     'kl': 0.192,
+     'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'failed': {'p3o': 'tis better (+0.138 [+0.010, +0.266] at look 1 (8 seeds), p 0.03133); '
+                       'grpo_recompute better (+0.140 [+0.007, +0.273] at look 1 (8 seeds), p '
+                       '0.03584); p3o_no_kl better (+0.144 [+0.043, +0.244] at look 1 (8 '
+                       'seeds), p 0.004868)'},
+     'calls': {'tis': 'better', 'grpo_recompute': 'better', 'p3o_no_kl': 'better'}},
     {'setting': 'round_1',
-     'grid': 'stress_v4_tiny_cpu',
+     'grid': 'stress_v5_tiny_cpu',
      'task': 'arithmetic',
      'what': "engine's weights rounded per channel to 0.143·max|w| (fp32 engine)",
-     'per_token': 0.0546,
-     'per_sequence': 0.1463,
-     'kl': 0.00572,
-     'held': ('grpo_bypass',
-              'grpo_recompute',
-              'p3o',
-              'p3o_capped',
-              'p3o_no_kl',
-              'p3o_noclip',
-              'tis'),
-     'failed': {},
-     'calls': {'p3o_no_kl': 'inconclusive',
-               'p3o_capped': 'inconclusive',
-               'p3o_noclip': 'inconclusive',
-               'tis': 'inconclusive',
-               'grpo_bypass': 'inconclusive',
-               'grpo_recompute': 'inconclusive'}},
+     'per_token': 0.0538,
+     'per_sequence': 0.1419,
+     'kl': 0.00594,
+     'held': ('p3o', 'p3o_no_kl', 'tis'),
+     'failed': {'grpo_recompute': 'worse than p3o (-0.014 [-0.026, -0.003] at look 4 (40 '
+                                  'seeds), p 0.00454)'},
+     'calls': {'tis': 'equivalent', 'grpo_recompute': 'worse', 'p3o_no_kl': 'equivalent'}},
     {'setting': 'round_2',
-     'grid': 'stress_v4_tiny_cpu',
+     'grid': 'stress_v5_tiny_cpu',
      'task': 'arithmetic',
      'what': "engine's weights rounded per channel to 0.3·max|w| (fp32 engine)",
-     'per_token': 0.1846,
-     'per_sequence': 0.513,
-     'kl': 0.0681,
-     'held': ('grpo_bypass', 'grpo_recompute', 'p3o_capped', 'p3o_no_kl', 'p3o_noclip', 'tis'),
-     'failed': {'p3o': 'p3o_capped better by 0.411 (+0.411 [+0.335, +0.488], Holm p 0.029)'},
-     'calls': {'p3o_no_kl': 'inconclusive',
-               'p3o_capped': 'better',
-               'p3o_noclip': 'inconclusive',
-               'tis': 'inconclusive',
-               'grpo_bypass': 'inconclusive',
-               'grpo_recompute': 'inconclusive'}},
+     'per_token': 0.1791,
+     'per_sequence': 0.5154,
+     'kl': 0.0672,
+     'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'failed': {'p3o': 'tis better (+0.253 [+0.100, +0.406] at look 1 (8 seeds), p 0.001847); '
+                       'grpo_recompute better (+0.117 [+0.010, +0.224] at look 1 (8 seeds), p '
+                       '0.02853); p3o_no_kl better (+0.228 [+0.068, +0.387] at look 1 (8 '
+                       'seeds), p 0.004896)'},
+     'calls': {'tis': 'better', 'grpo_recompute': 'better', 'p3o_no_kl': 'better'}},
     {'setting': 'round_3',
-     'grid': 'stress_v4_tiny_cpu',
+     'grid': 'stress_v5_tiny_cpu',
      'task': 'arithmetic',
      'what': "engine's weights rounded per channel to 0.36·max|w| (fp32 engine)",
-     'per_token': 0.2914,
-     'per_sequence': 0.7929,
-     'kl': 0.127,
-     'held': ('grpo_bypass', 'grpo_recompute', 'p3o_capped', 'p3o_no_kl', 'p3o_noclip', 'tis'),
-     'failed': {'p3o': 'p3o_no_kl better by 0.473 (+0.473 [+0.439, +0.507], Holm p 0.0017); '
-                       'tis better by 0.535 (+0.535 [+0.486, +0.585], Holm p 0.0037)'},
-     'calls': {'p3o_no_kl': 'better',
-               'p3o_capped': 'inconclusive',
-               'p3o_noclip': 'inconclusive',
-               'tis': 'better',
-               'grpo_bypass': 'inconclusive',
-               'grpo_recompute': 'inconclusive'}},
+     'per_token': 0.2817,
+     'per_sequence': 0.7819,
+     'kl': 0.117,
+     'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'failed': {'p3o': 'tis better (+0.491 [+0.401, +0.582] at look 1 (8 seeds), p 5.086e-07); '
+                       'grpo_recompute better (+0.287 [+0.180, +0.394] at look 1 (8 seeds), p '
+                       '6.789e-05); p3o_no_kl better (+0.467 [+0.390, +0.544] at look 1 (8 '
+                       'seeds), p 2.342e-07)'},
+     'calls': {'tis': 'better', 'grpo_recompute': 'better', 'p3o_no_kl': 'better'}},
     {'setting': 'chain logit_0.6',
-     'grid': 'stress_v4_chain_tiny_cpu',
+     'grid': 'stress_v5_chain_tiny_cpu',
      'task': 'reasoning_gym:chain_sum',
      'what': 'engine logit noise σ 0.6, 27-61-token completions',
-     'per_token': 0.0406,
-     'per_sequence': 0.7214,
-     'kl': 0.011,
-     'held': ('p3o', 'p3o_capped', 'p3o_no_kl', 'tis'),
+     'per_token': 0.0379,
+     'per_sequence': 0.6879,
+     'kl': 0.01,
+     'held': ('grpo_recompute', 'p3o', 'p3o_no_kl', 'tis'),
      'failed': {},
-     'calls': {'p3o_no_kl': 'inconclusive',
-               'p3o_capped': 'inconclusive',
-               'tis': 'inconclusive'}},
+     'calls': {'tis': 'undecided at cap',
+               'grpo_recompute': 'undecided at cap',
+               'p3o_no_kl': 'undecided at cap'}},
     {'setting': 'chain logit_1.2',
-     'grid': 'stress_v4_chain_tiny_cpu',
+     'grid': 'stress_v5_chain_tiny_cpu',
      'task': 'reasoning_gym:chain_sum',
      'what': 'engine logit noise σ 1.2, 27-61-token completions',
-     'per_token': 0.107,
-     'per_sequence': 2.4098,
-     'kl': 0.0532,
-     'held': ('p3o_capped', 'p3o_no_kl', 'tis'),
-     'failed': {'p3o': 'p3o_no_kl better by 0.409 (+0.409 [+0.370, +0.448], Holm p 2.6e-07); '
-                       'p3o_capped better by 0.240 (+0.240 [+0.179, +0.302], Holm p 0.00021); '
-                       'tis better by 0.364 (+0.364 [+0.282, +0.445], Holm p 8.8e-05)'},
-     'calls': {'p3o_no_kl': 'better', 'p3o_capped': 'better', 'tis': 'better'}},
+     'per_token': 0.0982,
+     'per_sequence': 2.146,
+     'kl': 0.0482,
+     'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'failed': {'p3o': 'tis better (+0.355 [+0.270, +0.440] at look 1 (8 seeds), p 4.985e-06); '
+                       'grpo_recompute better (+0.358 [+0.303, +0.413] at look 1 (8 seeds), p '
+                       '2.255e-07); p3o_no_kl better (+0.367 [+0.305, +0.429] at look 1 (8 '
+                       'seeds), p 4.537e-07)'},
+     'calls': {'tis': 'better', 'grpo_recompute': 'better', 'p3o_no_kl': 'better'}},
 ]  # fmt: skip
 
-# v3's levels that v4 re-measured (bf16, logit σ 0.9 / 1.2 at 30 steps, the v3 chain base, which
-# could not be rebuilt on another CPU) give way to v4's
+# v3's levels that v4 and v5 re-measured (bf16, logit σ 0.9 / 1.2 at 30 steps, the v3 chain base,
+# which could not be rebuilt on another CPU) give way to v5's
 _REPLACED = ("bf16", "logit_0.9", "logit_1.2", "chain bf16", "chain logit_1.2")
-LEVELS: List[dict] = [{"study": "v4", **lv} for lv in _V4] + [
+LEVELS: List[dict] = [{"study": "v5", **lv} for lv in _V5] + [
     {"study": "v3", **lv} for lv in _V3 if lv["setting"] not in _REPLACED
 ]
 

@@ -86,10 +86,10 @@ def check_report(rep: dict, prompts: int) -> torch.Tensor:
     assert sum(h["counts"]) == n and len(h["counts"]) == len(h["log_rho_edges"]) - 1
     assert h["log_rho_edges"][0] <= dl.min().item() and dl.max().item() <= h["log_rho_edges"][-1]
     assert h["rho_min"] == pytest.approx(rho.min().item(), **close)
-    # the verdict names its study and sources (v4, with v3's calls for engines v4 did not run)
+    # the verdict names its study and sources (v5, with v3's calls for engines v5 did not run)
     v = rep["verdict"]
-    assert v["study"] == "v4" and "docs/stress_v4.md" in v["source"]
-    assert "docs/stress_v3.md" in v["source"] and v["nearest_level"]["study"] in ("v3", "v4")
+    assert v["study"] == "v5" and "docs/stress_v5.md" in v["source"]
+    assert "docs/stress_v3.md" in v["source"] and v["nearest_level"]["study"] in ("v3", "v5")
     assert v["objectives"]["p3o"]["call"] in ("held", "failed", "mixed", "untested")
     return dl
 
@@ -121,7 +121,7 @@ def test_fp32_engine_is_exact_to_fp32_rounding(probes):
     assert rep["rollout"]["engine"] == "embedded" and rep["rollout"]["precision"] == "fp32"
     assert rep["verdict"]["objectives"]["p3o"]["call"] == "held"
     assert (where / "probe.png").stat().st_size > 10_000
-    assert "per-token" in r.stdout and "v4" in r.stdout and "probe.json" in r.stdout
+    assert "per-token" in r.stdout and "v5" in r.stdout and "probe.json" in r.stdout
     # never trains, never checkpoints: no step directory, no metrics
     assert not list(d.rglob("step_*")) and not list(d.rglob("metrics.jsonl"))
 
