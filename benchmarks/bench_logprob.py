@@ -13,15 +13,19 @@ layer's matmul, ℓθ, the metric entropy (no gradient) and the backward into h 
 
 at T ∈ ``--tokens-list`` (2048, 8192), V = 32768, h = 512, fp32. ``*_nograd`` rows are the
 step's no-grad forwards alone (ESS pre-pass, ℓold, reference); ``*_step`` rows are the trainer's
-whole last-stage cost per micro-batch of a P3O step: the ESS pre-pass (no grad, ℓθ + the metric
-entropy), then the gradient pass (ℓθ, no entropy) and its backward. Each (variant, T) runs in
-fresh processes; peak memory is the kernel's resident high-water mark (VmHWM, reset just before
-the call) above the inputs. Targets: at the largest T, fused peak ≤ 0.25× unfused, fused time
-≤ 1.1× unfused (the trainer's step), the trainer's path (fused, one pass) ≤ 0.9× slime's time.
-Last line: ``RESULT fused_vs_unfused_time=… fused_vs_unfused_peak=… trainer_vs_slime_time=…
-fused_vs_unfused_one_pass_time=…`` (the step's time ratio; the one-pass ratio, matmul + ℓθ +
-entropy + backward, is printed too: the fused path's recomputed logits are a fourth matmul of the
-output layer's size, which the step's cheaper no-grad pre-pass pays back).
+whole last-stage cost per micro-batch of a P3O step through the ESS pre-pass (no grad, ℓθ + the
+metric entropy), then the gradient pass (ℓθ, no entropy) and its backward; ``fused_kept`` is the
+trainer's path where the step's graphs fit (``batch.keep_graphs``): one forward (ℓθ with the
+metric entropy), e_B's float64 statistics from its ℓθ, the backward — no pre-pass. Each
+(variant, T) runs in fresh processes; peak memory is the kernel's resident high-water mark
+(VmHWM, reset just before the call) above the inputs. Targets: at the largest T, fused peak
+≤ 0.25× unfused, fused time ≤ 1.1× unfused (the trainer's step), the trainer's path where the
+step fits (``fused_kept``) ≤ 0.9× slime's single pass. Last line: ``RESULT
+fused_vs_unfused_time=… fused_vs_unfused_peak=… trainer_vs_slime_time=…
+prepass_trainer_vs_slime_time=… fused_vs_unfused_one_pass_time=…`` (the step's time ratio
+through the pre-pass; the trainer's path against slime with kept graphs and through the
+pre-pass; the one-pass ratio, matmul + ℓθ + entropy + backward: the fused path's recomputed
+logits are a fourth matmul of the output layer's size).
 
     python benchmarks/bench_logprob.py --slime /path/to/slime [--tokens-list 2048,8192 --tp 2]
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -189,7 +194,8 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
 # *_step: what the trainer's last stage does per micro-batch of a P3O step: the ESS pre-pass
 # (no grad, ℓθ + the metric entropy), then the gradient pass (ℓθ without entropy) + backward.
 LAST_STAGE = (
-    "fused", "unfused", "slime", "fused_nograd", "unfused_nograd", "fused_step", "unfused_step"
+    "fused", "unfused", "slime", "fused_nograd", "unfused_nograd", "fused_step", "unfused_step",
+    "fused_kept",
 )  # fmt: skip
 SLIME_FILE = "slime/utils/ppo_utils.py"
 
@@ -225,6 +231,7 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
 
     from megatron_p3o.logprob.fused import fused_vocab_parallel_logprobs
     from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
+    from megatron_p3o.loss.ess import ess_stats
     from megatron_p3o.model.output_layer import output_layer_input
     from megatron_p3o.runtime.parallel import Layout, initialize
 
@@ -237,12 +244,20 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     w0 = (0.05 * torch.randn(vocab, hidden, generator=g))[rank * v : (rank + 1) * v].clone()
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     coef = torch.randn(tokens, generator=g)  # the objective's ∂L/∂ℓ per token
+    lb = -math.log(vocab) + 0.3 * torch.randn(tokens, generator=g)  # the engine's ℓb
+    ones = torch.ones(tokens)
     slime = load_slime(slime_repo) if variant == "slime" else None
 
     def run(h, w):
         if variant.endswith("_nograd"):
             with torch.no_grad():
                 return forward(h, w)[1].mean()
+        if variant.endswith("_kept"):  # e_B from the gradient pass's own forward
+            lp, ent = forward(h, w)
+            metric = float(ent.detach().mean())
+            float(ess_stats(lp, lb, ones)[0])  # Σρ, Σρ², N in float64, read once
+            (-(lp * coef).sum()).backward()
+            return metric
         if variant.endswith("_step"):
             with torch.no_grad():  # the ESS pre-pass: ℓθ for e_B, the entropy as a metric
                 metric = float(forward(h, w)[1].mean())
@@ -333,7 +348,7 @@ def last_stage_main(a) -> None:
     for col in cols:
         t.add_column(col)
     for (v, tokens), r in rows.items():
-        kind = next((k for k in ("_nograd", "_step") if v.endswith(k)), "")
+        kind = next((k for k in ("_nograd", "_step") if v.endswith(k)), "")  # _kept: one pass
         u = rows[("unfused" + kind, tokens)]
         t.add_row(
             str(tokens), v, f"{r['time_s']:.3f}", f"{r['peak_extra_mb']:.0f}",
@@ -346,16 +361,19 @@ def last_stage_main(a) -> None:
     f, u = rows[("fused", big)], rows[("unfused", big)]
     fs, us = rows[("fused_step", big)], rows[("unfused_step", big)]
     s = rows.get(("slime", big))
-    vs_slime = f"{f['time_s'] / s['time_s']:.2f}" if s else "nan"
+    kept = rows[("fused_kept", big)]
+    vs_slime = f"{kept['time_s'] / s['time_s']:.2f}" if s else "nan"
+    prepass_vs_slime = f"{fs['time_s'] / s['time_s']:.2f}" if s else "nan"
     print(
         f"one pass (matmul + ℓθ + entropy + backward) at T={big}: fused / unfused "
         f"{f['time_s'] / u['time_s']:.2f}× (the recomputed logits: a 4th matmul of the output "
-        "layer's size); RESULT's time is the trainer's step (ESS pre-pass + gradient pass)"
+        "layer's size); RESULT's fused_vs_unfused_time is the trainer's step through the ESS "
+        "pre-pass, trainer_vs_slime_time its path with kept graphs (one pass + e_B)"
     )
     print(
         f"RESULT fused_vs_unfused_time={fs['time_s'] / us['time_s']:.2f} "
         f"fused_vs_unfused_peak={f['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f} "
-        f"trainer_vs_slime_time={vs_slime} "
+        f"trainer_vs_slime_time={vs_slime} prepass_trainer_vs_slime_time={prepass_vs_slime} "
         f"fused_vs_unfused_one_pass_time={f['time_s'] / u['time_s']:.2f}"
     )
 

@@ -1,30 +1,41 @@
-"""Our tiny CPU recipe against Hugging Face TRL's GRPOTrainer, side by side, per RL step.
+"""Our tiny CPU recipe against Hugging Face TRL's GRPOTrainer, side by side, per RL step, on
+equal micro-batches.
 
 Same model (the tiny base's HF checkpoint for TRL, its Megatron checkpoint for us), same prompts,
 32 prompts x 8 completions of at most 5 new tokens per step, one optimizer step per generation
 batch, the same AdamW settings, 2 threads each. TRL: token-mean loss (``loss_type="dapo"``),
 beta = 0, fp32, no gradient checkpointing, generation by ``transformers.generate``
-(``benchmarks/peer_trl_run.py``). Ours: ``recipes/tiny_cpu.yaml`` as shipped (P3O with its ESS
-pre-pass, bf16 rollouts from the embedded engine) unless ``--set`` says otherwise.
+(``benchmarks/peer_trl_run.py``). Ours: ``recipes/tiny_cpu.yaml`` as shipped (P3O, e_B from the
+gradient pass's forwards when the step's graphs fit, bf16 rollouts from the embedded engine)
+unless ``--set`` says otherwise.
+
+Equal micro-batches (``--budgets``): ours at ``batch.max_tokens_per_gpu`` = B tokens, TRL at
+B / 16 completions per micro-batch (prompt + completion ≤ 16 tokens, padded to the longest):
+512 tokens against 32 completions (the recipe's budget), 4096 against 256 (the whole step in
+one micro-batch). The CPU model is printed first.
 
 TRL runs in a venv of its own (``--venv``, made on first use from
 ``benchmarks/peer_trl_requirements.txt`` with ``-c constraints-cpu.txt``: torch stays the pinned
 CPU build). Runs alternate ours / TRL ``--reps`` times; the first ``--warmup`` steps of each run
 are dropped, a run's time is its median step, and each side's best run is reported.
 
-    python benchmarks/bench_peer_trl.py [--steps 20 --reps 3 --trl-micro 32 --set k=v ...]
+    python benchmarks/bench_peer_trl.py [--steps 20 --reps 3 --budgets 512,4096 --set k=v ...]
                                         [--before DIR]
 
 ``--before DIR``: another checkout of this project (e.g. ``git worktree add DIR <commit>``, the
 code before a change) runs the same recipe in the same loop, interleaved (ours, before, TRL per
-rep), so a change's cost shows as ``before`` against ``ours`` and both against TRL in one run.
+rep and budget), so a change's cost shows as ``before`` against ``ours`` and both against TRL in
+one run.
 
 Phases. TRL: ``generate`` is the time inside ``_generate_and_score_completions`` (tokenising,
 generate, decoding, reward, advantages); ``train`` the rest of the optimizer step. Ours:
 ``generate`` is ``rollout_s`` (generation, decoding, reward); ``train`` is compose + advantage +
 train (ESS pre-pass, forward/backward, optimizer) + weight sync.
 
-Last line: ``RESULT ours_vs_trl_step=<x> ours_vs_trl_generate=<g> ours_vs_trl_train=<t>``.
+Last line: ``RESULT ours_vs_trl_step_<B>=<x> ours_vs_trl_generate_<B>=<g>
+ours_vs_trl_train_<B>=<t>`` for every budget B (and ``before_vs_trl_step_<B>``,
+``ours_vs_before_step_<B>`` with ``--before``); the spread over reps is printed with the
+table.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _trl_python(venv: Path) -> str:
@@ -112,58 +124,73 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--trl-micro", type=int, default=32, help="TRL completions per micro-batch")
+    ap.add_argument(
+        "--budgets",
+        default="512,4096",
+        help="our token budgets per micro-batch; TRL gets budget/16 completions",
+    )
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--set", action="append", default=[], help="key=value for our recipe")
     ap.add_argument("--before", help="another checkout of this project, run interleaved")
     args = ap.parse_args()
 
+    from bench_step_profile import cpu_model
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=140)
+    console.print(f"CPU: {cpu_model()}, {_env()['OMP_NUM_THREADS']} threads per run")
     base = Path(args.base)
     if not (base / "hf" / "config.json").exists():
         console.print(f"making the tiny base in {base} (tools/make_tiny_base.py) ...")
         make = [sys.executable, str(ROOT / "tools" / "make_tiny_base.py"), "--out", str(base)]
         subprocess.run(make, check=True, env=_env(), cwd=ROOT)
     py = _trl_python(Path(args.venv))
-    runs = {"ours": [], **({"before": []} if args.before else {}), "trl": []}
+    budgets = [int(b) for b in args.budgets.split(",")]
+    sides = ["ours", *(["before"] if args.before else []), "trl"]
+    runs = {(side, b): [] for b in budgets for side in sides}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         for rep in range(args.reps):
-            for side in runs:
-                work = Path(tmp) / f"{side}{rep}"
-                work.mkdir()
-                console.print(f"rep {rep + 1}/{args.reps}: {side} ({args.steps} steps)")
-                if side == "ours":
-                    rows = _ours(base, work, args.steps, 1 + rep, args.set)
-                elif side == "before":
-                    before = Path(args.before).resolve()
-                    rows = _ours(base, work, args.steps, 1 + rep, args.set, root=before)
-                else:
-                    rows = _trl(py, base, work, args.steps, 1 + rep, args.trl_micro, args.lr)
-                runs[side].append(_summary(rows, args.warmup))
-    best = {side: min(r, key=lambda s: s["step_s"]) for side, r in runs.items()}
-    table = Table(title="per RL step, best run's median (seconds)")
-    for col in ("", "step", "generate", "train", "completion tokens", "reward (last 5)"):
+            for b in budgets:
+                for side in sides:
+                    work = Path(tmp) / f"{side}{rep}_{b}"
+                    work.mkdir()
+                    console.print(f"rep {rep + 1}/{args.reps}, {b} tokens: {side} "
+                                  f"({args.steps} steps)")  # fmt: skip
+                    sets = [*args.set, f"batch.max_tokens_per_gpu={b}"]
+                    if side == "ours":
+                        rows = _ours(base, work, args.steps, 1 + rep, sets)
+                    elif side == "before":
+                        before = Path(args.before).resolve()
+                        rows = _ours(base, work, args.steps, 1 + rep, sets, root=before)
+                    else:
+                        rows = _trl(py, base, work, args.steps, 1 + rep, b // 16, args.lr)
+                    runs[(side, b)].append(_summary(rows, args.warmup))
+    best = {k: min(r, key=lambda s: s["step_s"]) for k, r in runs.items()}
+    table = Table(title="per RL step, best run's median (seconds); spread: every rep's median")
+    for col in ("", "budget", "step", "spread", "generate", "train", "completion tokens",
+                "reward (last 5)"):  # fmt: skip
         table.add_column(col, justify="right")
-    for side, s in best.items():
-        table.add_row(side, f"{s['step_s']:.4f}", f"{s['generate_s']:.4f}", f"{s['train_s']:.4f}",
-                      f"{s['tokens']:.0f}", f"{s['reward_last5']:.3f}")  # fmt: skip
-    console.print(table)
-    o, t = best["ours"], best["trl"]
-    extra = ""
-    if "before" in best:
-        b = best["before"]
-        extra = (
-            f" before_vs_trl_step={b['step_s'] / t['step_s']:.2f}"
-            f" ours_vs_before_step={o['step_s'] / b['step_s']:.3f}"
+    for (side, b), s in best.items():
+        spread = "–".join(
+            f"{x['step_s']:.3f}" for x in sorted(runs[(side, b)], key=lambda x: x["step_s"])
         )
-    print(
-        f"RESULT ours_vs_trl_step={o['step_s'] / t['step_s']:.2f} "
-        f"ours_vs_trl_generate={o['generate_s'] / t['generate_s']:.2f} "
-        f"ours_vs_trl_train={o['train_s'] / t['train_s']:.2f}" + extra
-    )
+        micro = f"{b} tok" if side != "trl" else f"{b // 16} compl"
+        nums = [f"{s[k]:.4f}" for k in ("step_s", "generate_s", "train_s")]
+        table.add_row(side, micro, nums[0], spread, *nums[1:], f"{s['tokens']:.0f}",
+                      f"{s['reward_last5']:.3f}")  # fmt: skip
+    console.print(table)
+    parts = []
+    for b in budgets:
+        o, t = best[("ours", b)], best[("trl", b)]
+        parts += [f"ours_vs_trl_step_{b}={o['step_s'] / t['step_s']:.2f}",
+                  f"ours_vs_trl_generate_{b}={o['generate_s'] / t['generate_s']:.2f}",
+                  f"ours_vs_trl_train_{b}={o['train_s'] / t['train_s']:.2f}"]  # fmt: skip
+        if args.before:
+            bf = best[("before", b)]
+            parts += [f"before_vs_trl_step_{b}={bf['step_s'] / t['step_s']:.2f}",
+                      f"ours_vs_before_step_{b}={o['step_s'] / bf['step_s']:.3f}"]  # fmt: skip
+    print("RESULT " + " ".join(parts))
 
 
 if __name__ == "__main__":

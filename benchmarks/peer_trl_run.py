@@ -8,7 +8,11 @@ the recipe's lr / clip, constant schedule, group-scaled advantages.
 
 Writes one JSON line per optimizer step to ``--out``: ``step_s`` (on_step_begin -> on_step_end,
 which contains the generation), ``generate_s`` (inside ``_generate_and_score_completions``:
-tokenising, ``generate``, decoding, the reward), ``completion_tokens``, ``reward``.
+tokenising, ``generate``, decoding, the reward), ``completion_tokens``, ``reward``; with
+``--profile`` also ``phases``: the step's exclusive seconds per phase (``phase_clock.py``):
+rollout (generation, reward, advantages), forward (the model, its lm head and log-softmax:
+TRL's fused ``log_probs``), loss, backward, optimizer (clipping and Adam), zero grads, and the
+Trainer's own Python between them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=32, help="completions per micro-batch")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--profile", action="store_true", help="phases per step (phase_clock.py)")
     args = ap.parse_args()
 
     sys.path.insert(
@@ -88,15 +93,29 @@ def main() -> None:
     )
     rows: list = []
     gen_s = [0.0]
+    from phase_clock import PhaseClock  # benchmarks/ (this script's directory)
+
+    clock = PhaseClock()
 
     class Timer(TrainerCallback):
+        def on_train_begin(self, state_args, state, control, optimizer=None, model=None, **k):
+            if args.profile:
+                clock.wrap(optimizer, "step", "optimizer")
+                clock.wrap(model, "zero_grad", "zero grads")
+
         def on_step_begin(self, *a, **k):
             gen_s[0] = 0.0
+            if args.profile:
+                clock.take()
+                clock.push("trainer python")
             self.t0 = time.perf_counter()
 
         def on_step_end(self, state_args, state, control, **k):
             rows.append({"step": state.global_step, "step_s": time.perf_counter() - self.t0,
                          "generate_s": gen_s[0]})  # fmt: skip
+            if args.profile:
+                clock.pop()
+                rows[-1]["phases"] = clock.take()
 
         def on_log(self, state_args, state, control, logs=None, **k):
             if rows and logs and "reward" in logs:
@@ -120,6 +139,12 @@ def main() -> None:
             gen_s[0] += time.perf_counter() - t0
 
     trainer._generate_and_score_completions = timed
+    if args.profile:
+        clock.wrap(trainer, "_generate_and_score_completions", "rollout")
+        clock.wrap(trainer.model, "forward", "forward")
+        clock.wrap(trainer, "_compute_loss", "loss")
+        clock.wrap(trainer.accelerator, "backward", "backward")
+        clock.wrap(trainer.accelerator, "clip_grad_norm_", "optimizer")
     trainer.train()
     with open(args.out, "w") as f:
         for r in rows:

@@ -85,8 +85,9 @@ class Trainer:
         self.sampling = self._sampling()
         self.reference = self._build_reference(cfg, groups, ckpt)
         self.update = PolicyUpdate(
-            self.objective, groups, self.desc.vocab_size, cfg.loss, self.sampling.temperature
-        )
+            self.objective, groups, self.desc.vocab_size, cfg.loss, self.sampling.temperature,
+            keep_graphs=cfg.batch.keep_graphs,
+        )  # fmt: skip
         self.r2po = None
         if cfg.r2po.enabled:  # the residual rollout head on the last stage, and its phase
             from megatron_p3o.update.r2po import R2PO

@@ -17,6 +17,15 @@ Memory model (per GPU, the most loaded pipeline stage; an estimate, not a measur
     ``model.seq_length``), else micro_batch_size × seq_length; 1F1B keeps min(PP, micro-batches)
     micro-batches alive on the first stage; plus the fp32 logits of one micro-batch (s·b·V/t·4)
     on the last stage.
+  * kept graphs (``batch.keep_graphs``, P3O/P4O with several micro-batches per DP rank, PP = 1,
+    dense models): e_B from the gradient pass's own forwards keeps every micro-batch's autograd
+    graph until its backward, so the step's whole activations live at once —
+    :class:`~megatron_p3o.update.step_memory.GraphShape`'s per-token account of the tensors
+    autograd saves (within 1% of the measured peak of the tiny recipe's step on CPU), for the
+    step's tokens per rank taken at their most (every sequence ``model.seq_length`` long).
+    ``always`` counts it in place of one micro-batch's activations and logits; ``auto`` prints
+    it beside the total: the trainer keeps the graphs only when its own step's figure fits in
+    half of the memory left, else it takes the pre-pass.
 Rollout-engine memory: a colocated SGLang server (``weight_sync: colocated``, launched with
 ``--enable-memory-saver``) frees its weights and KV cache while the trainer updates, but while it
 generates it holds ``mem_fraction_static`` of the GPU next to the trainer's resident state
@@ -35,7 +44,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_p3o.config.train_config import TrainConfig
 from megatron_p3o.model.builder import padded_vocab_size
@@ -99,6 +108,7 @@ class Plan:
     params_total: int
     params_per_gpu: int
     gib: Dict[str, float]
+    kept_graphs_gib: Optional[float] = None  # batch.keep_graphs: auto (beside the total)
 
     @property
     def total_gib(self) -> float:
@@ -174,7 +184,48 @@ def make_plan(
         gib["reference"] = n * pb / GiB
     if cfg.r2po.enabled:  # W₁ (d×d) + W₂ shard (V/tp×d), fp32: weights, grads, Adam's 2 moments
         gib["rollout head"] = (h * h + vpad // tp * h) * 16 / GiB
-    return Plan(world_size, tp, pp, cp, dp, micro, total, n, gib)
+    kept = kept_graph_gib(cfg, desc, seqs // dp, s * b, vpad)
+    if kept is not None and cfg.batch.keep_graphs == "always":
+        gib.pop("activations")
+        gib.pop("logits")
+        gib["kept graphs"] = kept
+        kept = None
+    return Plan(world_size, tp, pp, cp, dp, micro, total, n, gib, kept)
+
+
+def kept_graph_gib(
+    cfg: TrainConfig, desc: ModelDescription, seqs: int, largest: int, vpad: int
+) -> Optional[float]:
+    """GiB of a step's kept graphs on one rank (``batch.keep_graphs``), or None where the step
+    takes no e_B from kept graphs (``never``, no e_B of scope step, PP > 1, MoE, one micro-batch
+    per rank): ``seqs`` sequences of ``model.seq_length`` tokens (÷ CP), the largest
+    micro-batch ``largest`` tokens of this rank; the masks of packed windows taken full."""
+    import torch
+
+    from megatron_p3o.loss import build_objective
+    from megatron_p3o.model.local_attention import PACK_WINDOW
+    from megatron_p3o.update.step_memory import GraphShape
+
+    b, p = cfg.batch, cfg.parallel
+    obj = build_objective(cfg.loss.objective, **cfg.loss.hyper)
+    tokens = seqs * cfg.model.seq_length // max(p.cp, 1)
+    if (b.keep_graphs == "never" or not obj.needs_ess or cfg.loss.ess_scope != "step"
+            or p.pp > 1 or desc.is_moe or tokens <= largest):  # fmt: skip
+        return None
+    tp = p.tp
+    local = cfg.model.use_te is False
+    shape = GraphShape(
+        hidden=desc.hidden_size, ffn=desc.intermediate_size // tp, heads=desc.num_heads // tp,
+        kv_heads=max(desc.num_kv_heads // tp, 1), head_dim=desc.head_dim,
+        layers=desc.num_layers, act_bytes=_BYTES[cfg.model.params_dtype], vocab_rows=vpad // tp,
+        local_window=PACK_WINDOW if local else None, fused=cfg.model.fused_logprob,
+        sequence_parallel_tp=tp if p.sequence_parallel else 1,
+    )  # fmt: skip
+    window = min(PACK_WINDOW, b.max_tokens_per_gpu or 0)
+    masks = shape.mask_bytes([window] * (tokens // window)) if window > 1 else 0.0
+    device = torch.device("cpu" if local else "cuda")
+    packed = b.max_tokens_per_gpu is not None
+    return (tokens * shape.per_token(packed) + masks + shape.transient(largest, device)) / GiB
 
 
 def uses_reference(cfg: TrainConfig) -> bool:
@@ -208,6 +259,12 @@ def format_plan(
     ]
     for k, v in plan.gib.items():
         lines.append(f"  {k:<12} {v:8.2f} GiB")
+    if plan.kept_graphs_gib is not None:
+        lines.append(
+            f"  (kept graphs {plan.kept_graphs_gib:.2f} GiB at most, beside the total: "
+            "batch.keep_graphs: auto takes e_B from the gradient pass's own forwards when a "
+            "step's graphs fit in half the memory left, else the ESS pre-pass)"
+        )
     if "reference" in plan.gib:
         every = c.reference.reset_every
         lines.append(

@@ -75,6 +75,12 @@ def _chunk_rows(n: int, real: int, chunk_size: Optional[int], device: torch.devi
     return max(1, min(rows, n))
 
 
+def chunk_buffer_bytes(n: int, real: int, device: torch.device, chunk_size=None) -> int:
+    """Bytes of one fp32 chunk of logits for ``n`` tokens over ``real`` vocabulary rows: the
+    forward holds one (two with the entropy), the backward one beside its fp32 dW."""
+    return _chunk_rows(n, real, chunk_size, device) * real * 4
+
+
 def _chunk_logits(hs, ws, s: int, e: int, real: int, out: Tensor, inv_t: float) -> Tensor:
     """``out [e−s, real]`` (fp32) = (h[s:e]·W[:real]ᵀ + Σ extra) / T.
 

@@ -95,8 +95,12 @@ class RunLog:
             for k, v in metrics.items()
             if k != "step" and isinstance(v, (int, float))
         }
-        for k, v in scalars.items():
-            self.tb.add_scalar(k, v, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # one event per record with every scalar of it (TensorBoard reads each value by its tag):
+        # an event per scalar was ~4 ms of a tiny CPU step (60 scalars)
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()])
+        self.tb.file_writer.add_summary(summary, step)
         self.tb.flush()
         if self.wb is not None:
             payload = dict(scalars)

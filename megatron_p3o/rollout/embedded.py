@@ -309,13 +309,13 @@ class EmbeddedEngine(RolloutEngine):
 
     # -- sampling -----------------------------------------------------------------------------
     def _left_pad(self, seqs: Sequence[Sequence[int]]):
-        b, L = len(seqs), max(len(s) for s in seqs)
-        ids = torch.full((b, L), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((b, L), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            if len(s):
-                ids[i, L - len(s) :] = torch.as_tensor(list(s))
-                mask[i, L - len(s) :] = 1
+        L = max(len(s) for s in seqs)
+        # rows as Python lists, one tensor each (two slice writes per row were ~3 ms of a tiny
+        # CPU rollout of 256 prompts)
+        ids = torch.tensor([[self.pad_token_id] * (L - len(s)) + list(s) for s in seqs],
+                           dtype=torch.long).reshape(len(seqs), L)  # fmt: skip
+        mask = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in seqs],
+                            dtype=torch.long).reshape(len(seqs), L)  # fmt: skip
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         return ids.to(self.device), mask.to(self.device), pos.to(self.device)
 

@@ -6,6 +6,7 @@ Python 3.12. When an upstream signature changes, this is the only file to touch.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import megatron.core
@@ -102,6 +103,53 @@ def forward_backward_func(pp: int, vpp: int | None):
     return get_forward_backward_func()
 
 
+def forwards_then_backwards(model, forward_step_func, microbatches, loss_of, pg_collection, cp):
+    """0.16.1's ``forward_backward_no_pipelining`` with its forwards and backwards apart: every
+    micro-batch's forward with its autograd graph kept, then, in micro-batch order,
+    ``loss_of(k)`` (the k-th micro-batch's loss tensor, computed once every forward is done)
+    and its backward; then ``finalize_model_grads_func``. One model chunk, no pipelining.
+
+    What Megatron's schedule does around them is kept: its own ``forward_step`` (first /
+    current micro-batch, input tensor, autocast, the loss function's call and token count) and
+    ``backward_step`` (the loss scale of 16-bit training), the DDP ``no_sync`` context for every
+    micro-batch but the last, and the token total handed to the finalizer. Gradients accumulate
+    into ``main_grad`` in micro-batch order, each micro-batch's backward over the same graph as
+    in Megatron's interleaved forward/backward: the same sums in the same order."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.utils import get_model_config, get_model_type
+
+    config = get_model_config(model)
+    no_sync = config.no_sync_func or contextlib.nullcontext
+    model_type = get_model_type(model)
+    n, data, store = len(microbatches), iter(microbatches), []
+    total = None
+
+    def forward(i):
+        nonlocal total
+        _, num_tokens = schedules.forward_step(
+            forward_step_func, data, model, n, None, store, config, cp,
+            is_first_microbatch=i == 0, current_microbatch=i,
+        )  # fmt: skip
+        total = num_tokens if total is None else total + num_tokens
+
+    def backward(i):
+        schedules.backward_step(None, loss_of(i), None, model_type, config)
+
+    with no_sync():
+        for i in range(n - 1):
+            forward(i)
+    forward(n - 1)
+    with no_sync():
+        for i in range(n - 1):
+            backward(i)
+    backward(n - 1)  # outside no_sync: the last micro-batch lets the gradients synchronise
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(
+            [model], total if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection, force_all_reduce=False,
+        )  # fmt: skip
+
+
 def megatron_optimizer(config, model_chunks, pg_collection):
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -128,10 +176,16 @@ def packed_rope_in_one_gather() -> None:
     loop over the sequences (``torch.split`` + one slice each, per call: q and k of every layer),
     which was a tenth of a CPU training step with ~40 short sequences per micro-batch. Without CP
     the rows it builds are ``freqs[position within the sequence]``, so one index gather gives the
-    same tensor, bit for bit, without reading ``cu_seqlens`` on the host; the rotation is then
-    Megatron's own ``_apply_rotary_pos_emb_bshd``, as before. With CP (chunk-split positions)
-    or a row of ``freqs`` per packed token (its offset mapping) Megatron's function runs.
-    ``tests/unit/test_mcore_compat_rope.py`` compares it with Megatron's function bitwise."""
+    same tensor, bit for bit, without reading ``cu_seqlens`` on the host. The rotation is 0.16.1's
+    ``_apply_rotary_pos_emb_bshd`` step for step — ``cos_ = (cos(rows) · mscale)`` in the input's
+    dtype (likewise ``sin_``), ``x·cos_ + rotate_half(x)·sin_`` — with ``cos_`` and ``sin_``
+    taken once per micro-batch: q and k of every layer pass the same ``cu_seqlens`` and
+    ``freqs`` tensors, and Megatron recomputed both four times per layer (and kept each copy for
+    the backward). Its closing ``cat`` with an empty pass-through part copies the result and is
+    left out; with a pass-through part it runs. With CP (chunk-split positions), a row of
+    ``freqs`` per packed token (its offset mapping) or multi-latent attention Megatron's function
+    runs. ``tests/unit/test_mcore_compat_rope.py`` compares it with Megatron's function bitwise,
+    values and gradients."""
     import weakref
 
     import torch
@@ -144,20 +198,32 @@ def packed_rope_in_one_gather() -> None:
     def apply_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
                   mscale=1.0, cp_group=None):  # fmt: skip
         n = t.shape[0]
-        if cp_group is None or cp_group.size() != 1 or freqs.size(0) == n:
-            # CP, or freqs with a row per packed token (Megatron's offset mapping): its own code
+        if (cp_group is None or cp_group.size() != 1 or freqs.size(0) == n
+                or multi_latent_attention):  # fmt: skip
+            # CP, freqs with a row per packed token (Megatron's offset mapping), MLA: its code
             return megatrons(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention,
                              mscale, cp_group)  # fmt: skip
-        rows = freqs[_positions(cu_seqlens, n).to(freqs.device)]
-        return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1),
-            rows,
-            rotary_interleaved=rotary_interleaved,
-            multi_latent_attention=multi_latent_attention,
-            mscale=mscale,
-        ).squeeze(1)
+        cos_, sin_ = _trig(cu_seqlens, freqs, n, t.dtype, mscale)
+        x = t.unsqueeze(1)
+        rot_dim = freqs.shape[-1]
+        x, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+        out = (x * cos_) + (rope_utils._rotate_half(x, rotary_interleaved) * sin_)
+        if x_pass.shape[-1]:
+            out = torch.cat((out, x_pass), dim=-1)
+        return out.squeeze(1)
 
     last: list = [None, None]  # (weakref to the cu_seqlens tensor, its positions)
+    trig: list = [None, None, None]  # (weakrefs to cu_seqlens and freqs, their key, cos_, sin_)
+
+    def _trig(cu_seqlens, freqs, n, dtype, mscale):
+        refs, key, pair = trig
+        if refs is not None and refs[0]() is cu_seqlens and refs[1]() is freqs and \
+                key == (n, dtype, mscale):  # fmt: skip
+            return pair
+        rows = freqs[_positions(cu_seqlens, n).to(freqs.device)]
+        pair = ((torch.cos(rows) * mscale).to(dtype), (torch.sin(rows) * mscale).to(dtype))
+        trig[:] = [(weakref.ref(cu_seqlens), weakref.ref(freqs)), (n, dtype, mscale), pair]
+        return pair
 
     def _positions(cu_seqlens, n):
         """Each packed token's position within its sequence; q and k of every layer pass the

@@ -31,25 +31,48 @@ def karmarkar_karp(weights: Sequence[int], k: int) -> List[List[int]]:
     Every item starts as its own k-part partial solution; the two partial solutions with the
     largest spread (max − min part sum) are merged by joining the heaviest part of one with the
     lightest of the other, until one remains. Parts are returned heaviest first, each with its
-    indices in increasing order. O(n·k·log n).
+    indices in increasing order. O(n·k·log n): a part's indices are joined as a tree of the two
+    merged parts' (flattened once at the end), not copied at every merge.
     """
     if k < 1:
         raise ValueError(f"karmarkar_karp: k={k} must be >= 1")
     if not weights:
         return [[] for _ in range(k)]
+    if k == 1:
+        return [list(range(len(weights)))]
     heap = []
+    empty = [(0, None)] * (k - 1)
     for i, w in enumerate(weights):
-        parts = [(int(w), [i])] + [(0, []) for _ in range(k - 1)]
-        heapq.heappush(heap, (-int(w), i, parts))
+        heapq.heappush(heap, (-int(w), i, [(int(w), i)] + empty))
     tie = len(weights)
     while len(heap) > 1:
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
-        merged = [(a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)]
+        merged = [_join(a[j], b[k - 1 - j]) for j in range(k)]
         merged.sort(key=lambda p: -p[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
         tie += 1
-    return [sorted(idx) for _, idx in heap[0][2]]
+    return [sorted(_leaves(node)) for _, node in heap[0][2]]
+
+
+def _join(x: tuple, y: tuple) -> tuple:
+    """Two parts ``(sum, indices)`` as one; indices are an int, a pair of such, or None."""
+    if x[1] is None:
+        return (x[0] + y[0], y[1])
+    if y[1] is None:
+        return (x[0] + y[0], x[1])
+    return (x[0] + y[0], (x[1], y[1]))
+
+
+def _leaves(node) -> List[int]:
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, tuple):
+            todo += n
+        elif n is not None:
+            out.append(n)
+    return out
 
 
 def pack_by_budget(

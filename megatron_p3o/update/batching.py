@@ -22,17 +22,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Literal, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from megatron_p3o.model.forward import MicroBatch
 from megatron_p3o.runtime.collectives import all_max, all_sum
 from megatron_p3o.runtime.errors import DataError
-from megatron_p3o.runtime.fields import check_ranges
+from megatron_p3o.runtime.fields import check_choice, check_ranges
 from megatron_p3o.runtime.parallel import ParallelGroups
 from megatron_p3o.types import Sample
 from megatron_p3o.update.balance import agree_on_count, balance_over_dp, imbalance, pack_by_budget
+
+KEEP_GRAPHS = ("auto", "always", "never")  # batch.keep_graphs (:mod:`.kept_graphs`)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class BatchConfig:
     balance_dp: spread each optimizer step's tokens evenly over DP ranks (packed mode).
     mask_truncated: completions cut by ``max_new_tokens`` (finish reason "length") get no loss:
         their tokens leave the loss and its normalizer (they still count for advantages).
+    keep_graphs: e_B of a step of several micro-batches per DP rank (P3O, P4O: ESS scope
+        "step") from the gradient pass's own forwards, run first with their autograd graphs
+        kept, instead of a no-grad pre-pass (one forward fewer; the same numbers):
+        "auto" when the step's graphs fit in half the memory left (no pipelining, dense
+        models), "always" whenever the layout allows, "never" (the pre-pass).
     """
 
     prompts_per_rollout: int = 64
@@ -56,6 +64,7 @@ class BatchConfig:
     max_tokens_per_gpu: Optional[int] = None
     balance_dp: bool = True
     mask_truncated: bool = False
+    keep_graphs: Literal["auto", "always", "never"] = "auto"
 
     RANGES: ClassVar[Dict[str, str]] = {
         "prompts_per_rollout": ">= 1",
@@ -67,6 +76,7 @@ class BatchConfig:
 
     def __post_init__(self):
         check_ranges(self, self.RANGES, "batch")
+        check_choice("batch.keep_graphs", self.keep_graphs, KEEP_GRAPHS)
 
 
 # Transformer Engine's FP8 GEMMs need each rank's token rows divisible by 8 (16 for some
@@ -96,6 +106,13 @@ def _sequence(s: Sample, seq_length: int, name: int) -> List[int]:
     return seq
 
 
+def _host(rows, dtype) -> torch.Tensor:
+    """A host tensor from nested Python lists, through numpy (3× faster than ``torch.tensor`` on
+    lists; the same values: exact integers, floats rounded to float32 to nearest as torch
+    does)."""
+    return torch.from_numpy(np.array(rows, dtype=dtype))
+
+
 def _response(
     samples: Sequence[Sample],
     advantages: Sequence[float],
@@ -108,8 +125,8 @@ def _response(
     whose advantage is NaN (a sequence its objective skips, e.g. R2PO's all-equal groups)."""
     n = len(samples)
     longest = max([len(s.completion_ids) for s in samples] + [1])
-    # Rows as Python lists, one tensor each at the end: per-sample slice writes were ~10% of a
-    # CPU step (four small torch calls per sample and micro-batch).
+    # Rows as Python lists, two host tensors at the end (_host): per-sample slice writes were
+    # ~10% of a CPU step (four small torch calls per sample and micro-batch).
     zero = [0.0] * longest
     mask, blp, adv, index = [], [], [], []
     for s, a, start in zip(samples, advantages, starts):
@@ -129,10 +146,8 @@ def _response(
             blp.append(zero)
             adv.append(zero)
             index.append([0] * longest)
-    mask = torch.tensor(mask, dtype=torch.float32).reshape(n, longest)  # host
-    blp = torch.tensor(blp, dtype=torch.float32).reshape(n, longest)  # host
-    adv = torch.tensor(adv, dtype=torch.float32).reshape(n, longest)  # host
-    index = torch.tensor(index, dtype=torch.long).reshape(n, longest)  # host
+    mask, blp, adv = _host([mask, blp, adv], np.float32).reshape(3, n, longest)
+    index = _host(index, np.int64).reshape(n, longest)
     return {
         "mask": mask,
         "behavior_logprobs": blp,
@@ -235,10 +250,11 @@ def packed_microbatch(
         targets += list(q[1:]) + [pad_id] * (n - max(len(q) - 1, 0))
         position_ids += range(n)
         starts.append(starts[-1] + n)
+    grid = _host([tokens, targets, position_ids], np.int64)
     mb = {
-        "tokens": torch.tensor([tokens], dtype=torch.long),  # host
-        "targets": torch.tensor([targets], dtype=torch.long),  # host
-        "position_ids": torch.tensor([position_ids], dtype=torch.long),  # host
+        "tokens": grid[0:1],
+        "targets": grid[1:2],
+        "position_ids": grid[2:3],
         "cu_seqlens": torch.tensor(starts, dtype=torch.int32),  # host
         "response": _response(samples, advantages, starts[: len(samples)], ids, mask_truncated),
     }
@@ -308,13 +324,13 @@ class MicroBatcher:
         g = self.groups
         lengths = [self.token_cost(s) for s in samples]
         items = list(zip(samples, adv))
-        if self.cfg.balance_dp:
+        if self.cfg.balance_dp and g.layout.dp_enabled:
             mine, st = balance_over_dp(items, lengths, g.dp, g.dp_rank)
             mine = [(first + i, it) for i, it in mine]
-        else:
+            lens = [self.token_cost(it[0]) for _, it in mine]
+        else:  # this rank's samples, in order (one DP rank: balancing keeps them as they are)
             off = first + g.dp_rank * len(items)  # names unique over DP (equal shares)
-            mine, st = [(off + i, it) for i, it in enumerate(items)], {}
-        lens = [self.token_cost(it[0]) for _, it in mine]
+            mine, st, lens = [(off + i, it) for i, it in enumerate(items)], {}, lengths
         budget = self.cfg.max_tokens_per_gpu
         bins, oversize = pack_by_budget(lens, budget)
         if self.equal_counts:
@@ -385,3 +401,38 @@ def _shape_stats(mbs: List[MicroBatch], real: int) -> Dict[str, float]:
         "n_micro": float(len(mbs)),
         "max_tokens": float(max(sizes)),
     }
+
+
+def stack_padded(microbatches: List[MicroBatch], k: int) -> List[MicroBatch]:
+    """Padded micro-batches stacked ``k`` at a time for the no-grad pre-pass (fewer, larger
+    forwards). Packed micro-batches are already sized by the token budget: kept as they are;
+    so is a list whose last group would be ragged (the schedule wants uniform shapes)."""
+    if k <= 1 or "cu_seqlens" in microbatches[0]:
+        return microbatches
+    fused = [_stack(microbatches[i : i + k]) for i in range(0, len(microbatches), k)]
+    if len({tuple(mb["tokens"].shape) for mb in fused}) > 1:
+        return microbatches
+    return fused
+
+
+def _stack(mbs: List[MicroBatch]) -> MicroBatch:
+    """Padded micro-batches stacked along the batch dimension (same sequence length); their
+    response tensors are stacked too, ``index`` shifted to the stacked grid."""
+    if len(mbs) == 1:
+        return mbs[0]
+    keys = ("tokens", "targets") + (("routed_experts",) if "routed_experts" in mbs[0] else ())
+    out = {k: torch.cat([mb[k] for mb in mbs]) for k in keys}
+    if "route_mode" in mbs[0]:
+        out["route_mode"] = mbs[0]["route_mode"]
+    longest = max(mb["response"]["mask"].shape[1] for mb in mbs)
+    resp: Dict[str, torch.Tensor] = {}
+    offset = 0
+    for mb in mbs:
+        for key, v in mb["response"].items():
+            if v.dim() == 2:
+                v = torch.nn.functional.pad(v, (0, longest - v.shape[1]))
+                v = v + offset if key == "index" else v
+            resp.setdefault(key, []).append(v)
+        offset += mb["tokens"].numel()
+    out["response"] = {key: torch.cat(v) for key, v in resp.items()}
+    return out

@@ -8,11 +8,14 @@ kernel, global ESS, objectives), which stays pure.
 Order of one optimizer step (``PolicyUpdate.run``):
 1. Count the step's valid tokens and sequences on every rank and all-reduce them over DP:
    the single normalizer N_B (or the sequence count), known before any gradient.
-2. ESS pre-pass (scope ``step``, objectives that need e_B): a no-grad forward of every
-   micro-batch with the current weights gives float64 (Σρ, Σρ², N); they are summed over
-   micro-batches and all-reduced once over DP on the last pipeline stage. e_B is then
-   frozen for the gradient pass (the weights do not change inside the step, so it is exact).
-   The metric-only entropy is taken here too (no gradient pass pays for it).
+2. e_B before any gradient (scope ``step``, objectives that need e_B): float64 (Σρ, Σρ², N)
+   of every micro-batch with the current weights, summed over micro-batches and all-reduced
+   once over DP on the last pipeline stage; e_B is then frozen for the step's losses (the
+   weights do not change inside the step, so it is exact). One micro-batch per DP rank pools
+   them in the gradient pass itself; where the step's graphs fit (``batch.keep_graphs``, no
+   PP) the gradient pass's own forwards run first with their graphs kept and give them
+   (:mod:`.kept_graphs`: the same numbers, one forward fewer); otherwise a no-grad ESS
+   pre-pass, which also takes the metric-only entropy (no gradient pass pays for it).
    Scope ``microbatch`` (FeynRL-compatible) skips the pre-pass: micro-batch k's e_B pools the
    k-th micro-batch of every DP rank.
 3. Gradient pass through ``forward_backward``: each micro-batch returns Σ terms / N_B. Megatron
@@ -77,7 +80,10 @@ from megatron_p3o.runtime.collectives import (
     broadcast,
     broadcast_objects,
 )
+from megatron_p3o.runtime.fields import check_choice
 from megatron_p3o.runtime.parallel import ParallelGroups
+from megatron_p3o.update import kept_graphs, step_memory
+from megatron_p3o.update.batching import KEEP_GRAPHS, stack_padded
 
 # the step's count of non-finite ℓθ travels with its metrics (one reduction), never logged
 _NONFINITE = "_nonfinite_logprobs"
@@ -86,7 +92,7 @@ _NONFINITE = "_nonfinite_logprobs"
 @dataclass
 class StepPlan:
     """What one optimizer step does, decided before any forward (:meth:`PolicyUpdate.plan`):
-    the global counts, where e_B comes from (``none`` | ``prepass`` |
+    the global counts, where e_B comes from (``none`` | ``prepass`` | ``kept_graphs`` |
     ``gradient_pass`` | ``microbatch``) and where the metric-only entropy is taken. M2PO's cut
     and kept-token count (its normalizer: ``Objective.normalizer``) are filled in by
     :meth:`PolicyUpdate.m2po_step`."""
@@ -106,6 +112,10 @@ class PolicyUpdate:
     """Runs the objective over one optimizer step's micro-batches (see the module docstring).
 
     ``temperature``: the sampling temperature; ℓθ is computed from logits / T.
+    ``keep_graphs`` (``batch.keep_graphs``): e_B of a step of several micro-batches per DP rank
+    from the gradient pass's own forwards, their graphs kept (:mod:`.kept_graphs`): ``auto``
+    when they fit in memory, ``always`` whenever the layout allows, ``never`` (the default of a
+    ``PolicyUpdate`` built in code; the trainer passes the recipe's): the ESS pre-pass.
     """
 
     def __init__(
@@ -115,11 +125,14 @@ class PolicyUpdate:
         vocab_size: int,
         cfg: LossConfig = LossConfig(),
         temperature: float = 1.0,
+        keep_graphs: str = "never",
     ):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0")
+        check_choice("batch.keep_graphs", keep_graphs, KEEP_GRAPHS)
         self.objective, self.groups, self.vocab_size, self.cfg = objective, groups, vocab_size, cfg
         self.temperature = temperature
+        self.keep_graphs = keep_graphs
 
     # -- stage 0: input checks -----------------------------------------------------------------
     def _check_behavior_logprobs(self, microbatches: List[MicroBatch]) -> None:
@@ -156,22 +169,37 @@ class PolicyUpdate:
             )
 
     # -- stage 1: counts -------------------------------------------------------------------
-    def _global_counts(self, microbatches: List[MicroBatch]) -> tuple:
+    def _global_counts(self, microbatches: List[MicroBatch], misfit: Optional[float] = None):
+        """``(N_B tokens, sequences, micro-batches, misfits)`` of the step over every DP rank.
+
+        ``misfit`` (``batch.keep_graphs: auto``): 1.0 when this rank's kept graphs would not fit
+        in its memory. Every rank must take the same path, so the verdicts travel with the
+        counts, over the world when TP or CP ranks share a DP rank (their counts, the same
+        micro-batches', are divided back out: exact, whole numbers in float64)."""
         n_tok = n_seq = 0.0  # host-side sums of the (host) micro-batches' masks
         for mb in microbatches:
             m = mb["response"]["mask"].double()
             n_tok += float(m.sum())
             n_seq += float((m.sum(-1) > 0).sum())
         local = torch.tensor(
-            [n_tok, n_seq, len(microbatches)], dtype=torch.float64, device=self.groups.device
+            [n_tok, n_seq, len(microbatches), misfit or 0.0],
+            dtype=torch.float64,
+            device=self.groups.device,
         )
-        if self.groups.layout.dp_enabled:
+        dp = self.groups.layout.dp or 1
+        replicas = self.groups.world_size // dp
+        if misfit is not None and replicas > 1:
+            why = ("N_B: each DP rank's share, repeated on its TP/CP ranks (divided back out); "
+                   "and whether any rank's kept graphs do not fit")  # fmt: skip
+            all_sum(local, self.groups.world, why)
+            local[:3] /= replicas
+        elif self.groups.layout.dp_enabled:
             all_sum(local, self.groups.dp, "N_B: each DP rank holds a disjoint share of the step "
                     "(CP ranks of one DP rank hold the same micro-batches)")  # fmt: skip
-        n_tok, n_seq, n_micro = local.tolist()
+        n_tok, n_seq, n_micro, misfits = local.tolist()
         if n_tok <= 0:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
-        return n_tok, n_seq, int(n_micro)
+        return n_tok, n_seq, int(n_micro), misfits
 
     def _logprobs(self, batch, logits, watch: FiniteWatch, entropy: bool = True, value=False):
         """ℓθ, entropy, the mask to use and V(s₁) of one micro-batch, with no host read: with
@@ -244,7 +272,7 @@ class PolicyUpdate:
 
         with torch.no_grad():
             forward_backward(
-                chunks, self.groups, _fuse(microbatches, self.cfg.prepass_fuse), loss_fn,
+                chunks, self.groups, stack_padded(microbatches, self.cfg.prepass_fuse), loss_fn,
                 forward_only=True,
             )  # fmt: skip
         if not self.groups.is_last_stage():
@@ -323,14 +351,19 @@ class PolicyUpdate:
     ) -> Dict[str, float]:
         """Loss, gradients (accumulated into the DDP buffers) and metrics of one optimizer step,
         as the module docstring's steps: plan → e_B before the gradients → M2PO's cut →
-        gradient pass → metrics. Every CP rank computes the loss of whole sequences (see
+        gradient pass (or the kept-graph pass: e_B from its own forwards) → metrics. Every CP
+        rank computes the loss of whole sequences (see
         :func:`~megatron_p3o.logprob.scoring.response_logprobs`): the loss side sums over DP."""
         self._check_inputs(microbatches)
-        plan = self.plan(microbatches)
+        plan = self.plan(microbatches, None if forward_only else chunks)
         acc = StepMetrics()
         ess = self.ess_before_gradients(chunks, microbatches, plan, acc)
         self.m2po_step(microbatches, plan)
-        pools, watch = self.gradient_pass(chunks, microbatches, plan, ess, acc, forward_only)
+        if plan.ess_from == "kept_graphs":
+            pools = []
+            ess, watch = kept_graphs.kept_graph_pass(self, chunks, microbatches, plan, acc)
+        else:
+            pools, watch = self.gradient_pass(chunks, microbatches, plan, ess, acc, forward_only)
         return self._from_last_stage(self.finalise(plan, ess, pools, watch, acc))
 
     def _check_inputs(self, microbatches: List[MicroBatch]) -> None:
@@ -342,28 +375,36 @@ class PolicyUpdate:
             _check_whole_sequences(microbatches, self.objective.name)
         self._check_behavior_logprobs(microbatches)
 
-    def plan(self, microbatches: List[MicroBatch]) -> "StepPlan":
-        """Step 1: the step's global counts (one DP all-reduce) and where e_B comes from.
+    def plan(self, microbatches: List[MicroBatch], chunks=None) -> "StepPlan":
+        """Step 1: the step's global counts (one all-reduce) and where e_B comes from.
 
         N_B = Σ over every micro-batch of every DP rank of the valid completion tokens (the
         sequence count for per-sequence objectives): the one normalizer of the step's token
         mean. e_B = (Σρ)² / (N·Σρ²) (Fakoor et al., 2026, Eq. 5) is pooled over
-          - the whole step, from a no-grad pre-pass (``ess_scope: step``, several micro-batches
-            per DP rank or PP > 1);
           - the whole step, inside the gradient pass when each DP rank holds exactly one
             micro-batch and there is no PP (that micro-batch *is* the step: the same statistics,
             one forward fewer);
+          - the whole step, from the gradient pass's own forwards run first with their graphs
+            kept (``batch.keep_graphs``, several micro-batches per DP rank, no PP, ``chunks``
+            given: a step that trains; :mod:`.kept_graphs`);
+          - the whole step, from a no-grad pre-pass otherwise (``ess_scope: step``);
           - micro-batch k of every DP rank (``ess_scope: microbatch``, FeynRL's)."""
-        n_tok, n_seq, n_micro = self._global_counts(microbatches)
         layout = self.groups.layout
         step_scope = self.cfg.ess_scope == "step"
+        keep = self._keep_mode(chunks) if step_scope and self.objective.needs_ess else None
+        misfit = None
+        if keep == "auto":
+            misfit = 0.0 if step_memory.graphs_fit(chunks, microbatches, self.groups) else 1.0
+        n_tok, n_seq, n_micro, misfits = self._global_counts(microbatches, misfit)
         one_per_rank = step_scope and n_micro == (layout.dp or 1) and not layout.pp_enabled
         if not self.objective.needs_ess:
             ess_from = "none"
         elif not step_scope:
             ess_from = "microbatch"
+        elif one_per_rank:
+            ess_from = "gradient_pass"
         else:
-            ess_from = "gradient_pass" if one_per_rank else "prepass"
+            ess_from = "kept_graphs" if keep is not None and not misfits else "prepass"
         entropy_done = ess_from == "prepass" and self.cfg.log_entropy
         return StepPlan(
             n_tok=n_tok,
@@ -375,6 +416,15 @@ class PolicyUpdate:
             want_entropy=self.objective.needs_entropy
             or (self.cfg.log_entropy and not entropy_done),
         )
+
+    def _keep_mode(self, chunks) -> Optional[str]:
+        """``batch.keep_graphs`` when this step may keep its graphs (a step that trains, a layout
+        and model that allow it), else None."""
+        if self.keep_graphs == "never" or chunks is None:
+            return None
+        if kept_graphs.layout_refuses(chunks, self.groups) is not None:
+            return None
+        return self.keep_graphs
 
     def ess_before_gradients(self, chunks, microbatches, plan: "StepPlan", acc) -> tuple:
         """Step 2: ``(e_B, e_prox)`` from the pre-pass when the plan says so (float64 (Σρ, Σρ²,
@@ -404,11 +454,7 @@ class PolicyUpdate:
         order = iter(microbatches)  # the last stage runs the losses in micro-batch order
 
         def loss_fn(batch, logits):
-            needs_value = self.objective.needs_value
-            lp, ent, mask, val = self._logprobs(batch, logits, watch, plan.want_entropy,
-                                                needs_value)  # fmt: skip
-            inp = self._inputs(batch, lp, ent, mask, val)
-            self.objective.check_inputs(inp)
+            inp = self.score(batch, logits, watch, plan)
             e, e_p = ess
             if pooled:
                 # DP group: micro-batch k of every data-parallel rank forms one ESS pool. e_B
@@ -417,28 +463,46 @@ class PolicyUpdate:
                 pools.append(st)
                 e = ess_tensor(st[:3])
                 e_p = ess_tensor(st[3:]) if st.numel() > 3 else None
-            stats = StepStats(plan.n_tok, plan.n_seq, e, e_p, m2po_cut=plan.cut,
-                              m2po_kept=plan.m2_kept)  # fmt: skip
-            total, pairs = self.objective.terms(inp, stats)
-            loss = total / self.objective.normalizer(stats)
-            with torch.no_grad():
-                acc.add("loss", loss.detach(), 1.0)
-                for k, (num, den) in pairs.items():
-                    acc.add(k, num, den)
-                dropped = batch["response"]["mask"].sum() - mask.sum()
-                acc.add("nonfinite_masked", dropped, 1.0)
-                add_mismatch_metrics(acc, inp, entropy=not plan.entropy_done)
-                _track_epochs(next(order), inp, acc)
-            return loss, mask.sum().to(torch.int), {}
+            loss = self.micro_loss(batch, inp, plan, (e, e_p), acc, next(order))
+            return loss, inp.mask.sum().to(torch.int), {}
 
         forward_backward(chunks, self.groups, microbatches, loss_fn, forward_only=forward_only)
         return pools, watch
+
+    def score(self, batch, logits, watch: FiniteWatch, plan: "StepPlan") -> LossInputs:
+        """A micro-batch's loss inputs from the model's output: ℓθ (and the entropy, V(s₁) when
+        asked for), the mask to use; checked against what the objective needs."""
+        lp, ent, mask, val = self._logprobs(batch, logits, watch, plan.want_entropy,
+                                            self.objective.needs_value)  # fmt: skip
+        inp = self._inputs(batch, lp, ent, mask, val)
+        self.objective.check_inputs(inp)
+        return inp
+
+    def micro_loss(self, batch, inp: LossInputs, plan: "StepPlan", ess: tuple, acc,
+                   host: MicroBatch) -> torch.Tensor:  # fmt: skip
+        """Σ terms / N_B of one micro-batch given the step's ``(e_B, e_prox)``; its metrics
+        accumulate in ``acc`` as device tensors. ``host``: the host micro-batch (epoch reuse)."""
+        stats = StepStats(plan.n_tok, plan.n_seq, ess[0], ess[1], m2po_cut=plan.cut,
+                          m2po_kept=plan.m2_kept)  # fmt: skip
+        total, pairs = self.objective.terms(inp, stats)
+        loss = total / self.objective.normalizer(stats)
+        with torch.no_grad():
+            acc.add("loss", loss.detach(), 1.0)
+            for k, (num, den) in pairs.items():
+                acc.add(k, num, den)
+            dropped = batch["response"]["mask"].sum() - inp.mask.sum()
+            acc.add("nonfinite_masked", dropped, 1.0)
+            add_mismatch_metrics(acc, inp, entropy=not plan.entropy_done)
+            _track_epochs(host, inp, acc)
+        return loss
 
     def finalise(self, plan: "StepPlan", ess: tuple, pools, watch, acc) -> Dict[str, Any]:
         """Step 5: the loss side's one DP reduction and one device→host read (last stage), the
         deferred checks (non-finite ℓθ, empty ESS pools), and the step's e_B in the metrics:
         the pre-pass value, the one in-pass pool, or the mean (and min) over micro-batch pools."""
         metrics: Dict[str, Any] = {"n_tokens": plan.n_tok, "n_seqs": plan.n_seq}
+        if plan.ess_from in ("prepass", "kept_graphs"):  # did e_B cost a forward of its own?
+            metrics["ess_prepass"] = float(plan.ess_from == "prepass")
         if plan.m2_kept is not None:
             metrics["m2po_kept_tokens"] = plan.m2_kept
         micro_ess: List[tuple] = []  # (e_B, e_prox or None) per ESS pool
@@ -510,41 +574,6 @@ def _check_whole_sequences(microbatches: List[MicroBatch], name: str) -> None:
                     "micro-batch (never split a sequence)"
                 )
             seen[sid] = k
-
-
-def _fuse(microbatches: List[MicroBatch], k: int) -> List[MicroBatch]:
-    """Padded micro-batches stacked ``k`` at a time for the no-grad pre-pass (fewer, larger
-    forwards). Packed micro-batches are already sized by the token budget: kept as they are;
-    so is a list whose last group would be ragged (the schedule wants uniform shapes)."""
-    if k <= 1 or "cu_seqlens" in microbatches[0]:
-        return microbatches
-    fused = [_concat(microbatches[i : i + k]) for i in range(0, len(microbatches), k)]
-    if len({tuple(mb["tokens"].shape) for mb in fused}) > 1:
-        return microbatches
-    return fused
-
-
-def _concat(mbs: List[MicroBatch]) -> MicroBatch:
-    """Padded micro-batches stacked along the batch dimension (same sequence length); their
-    response tensors are stacked too, ``index`` shifted to the stacked grid."""
-    if len(mbs) == 1:
-        return mbs[0]
-    keys = ("tokens", "targets") + (("routed_experts",) if "routed_experts" in mbs[0] else ())
-    out = {k: torch.cat([mb[k] for mb in mbs]) for k in keys}
-    if "route_mode" in mbs[0]:
-        out["route_mode"] = mbs[0]["route_mode"]
-    longest = max(mb["response"]["mask"].shape[1] for mb in mbs)
-    resp: Dict[str, torch.Tensor] = {}
-    offset = 0
-    for mb in mbs:
-        for key, v in mb["response"].items():
-            if v.dim() == 2:
-                v = torch.nn.functional.pad(v, (0, longest - v.shape[1]))
-                v = v + offset if key == "index" else v
-            resp.setdefault(key, []).append(v)
-        offset += mb["tokens"].numel()
-    out["response"] = {key: torch.cat(v) for key, v in resp.items()}
-    return out
 
 
 def _m2_inputs(r: dict) -> LossInputs:
