@@ -223,7 +223,6 @@ def memory_worker(a) -> None:
     import torch
     from memory import peak_mb, reset_peak, rss_mb
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action, MemoryProfile
 
     from megatron_p3o.update import step_memory
 
@@ -250,14 +249,7 @@ def memory_worker(a) -> None:
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              record_shapes=True, with_stack=True) as prof:  # fmt: skip
                     out = run(chunks, mbs, *rest, **k)
-                cur = peak = 0
-                for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
-                    if action == Action.CREATE:
-                        cur += size
-                    elif action == Action.DESTROY:
-                        cur -= size
-                    peak = max(peak, cur)
-                seen["alloc_peak"] = peak
+                seen["alloc_peak"] = step_memory.profiled_tensor_peak(prof)
                 return out
 
             trainer.update.run = rss

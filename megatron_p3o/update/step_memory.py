@@ -199,3 +199,19 @@ def graphs_fit(chunks, microbatches, groups) -> bool:
     """Whether this rank's kept graphs of ``microbatches`` fit (``batch.keep_graphs: auto``)."""
     shape = model_shape(chunks[0], groups)
     return kept_graph_bytes(shape, microbatches, groups.device) <= room_for_graphs(groups.device)
+
+
+def profiled_tensor_peak(prof) -> int:
+    """The peak of live tensor bytes over a ``torch.profiler.profile(profile_memory=True)`` run:
+    every allocation and free of its memory timeline, in order (how the kept-graph estimate is
+    checked: ``benchmarks/bench_step_profile.py --memory`` and its unit test)."""
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    cur = peak = 0
+    for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
+        if action == Action.CREATE:
+            cur += size
+        elif action == Action.DESTROY:
+            cur -= size
+        peak = max(peak, cur)
+    return peak

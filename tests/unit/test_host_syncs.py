@@ -149,13 +149,7 @@ def count_microbatch_syncs(
         finally:
             state["grad_pass"] = False
 
-    def to_device(batch, device):  # a distinct "device" copy (CPU .to() returns self)
-        out = orig_dev(batch, device)
-        return {
-            k: v.clone() if torch.is_tensor(v) else to_device(v, device) if isinstance(v, dict)
-            else v
-            for k, v in out.items()
-        }  # fmt: skip
+    to_device = distinct_copies(orig_dev)
 
     def measured(fn, new_mb):
         def f(*a, **k):
@@ -287,3 +281,18 @@ def test_a_nonfinite_logprob_still_names_its_sample(pools, objective, others):
         f"trainer log-prob ℓθ is nan at valid token 0 of sample 0 (row 0) and {others} other "
         "samples; set loss.nonfinite: mask to drop such tokens and count them instead"
     ), msg
+
+
+def distinct_copies(to_device):
+    """``forward.to_device`` giving a distinct "device" copy of every tensor (on CPU ``.to()``
+    returns the host tensor itself, which a sync counter could not tell from the device's)."""
+
+    def copied(batch, device):
+        out = to_device(batch, device)
+        return {
+            k: v.clone() if torch.is_tensor(v) else copied(v, device) if isinstance(v, dict)
+            else v
+            for k, v in out.items()
+        }  # fmt: skip
+
+    return copied

@@ -64,7 +64,6 @@ def kept_memory(groups, kv_heads: int, vocab: int, packed: bool):
     """(estimate, saved bytes, estimate without the transient, peak allocation) of one kept-graph
     step on this rank (rank body)."""
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action, MemoryProfile
 
     from megatron_p3o.update import kept_graphs, step_memory
 
@@ -99,13 +98,7 @@ def kept_memory(groups, kv_heads: int, vocab: int, packed: bool):
     finally:
         schedules.forward_step = fwd
     assert kept_graphs.layout_refuses(ddp, groups) is None
-    cur = peak = 0
-    for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
-        if action == Action.CREATE:
-            cur += size
-        elif action == Action.DESTROY:
-            cur -= size
-        peak = max(peak, cur)
+    peak = step_memory.profiled_tensor_peak(prof)
     return estimate, sum(saved.values()), estimate - transient, peak, len(mbs)
 
 
@@ -138,20 +131,14 @@ def kept_pass_syncs(groups):
     made distinct from the host micro-batches as in ``test_host_syncs`` (rank body)."""
     from megatron_p3o.model import forward
     from megatron_p3o.update import kept_graphs
-    from tests.unit.test_host_syncs import SyncCounter
+    from tests.unit.test_host_syncs import SyncCounter, distinct_copies
 
     ddp, mbs, update = _setup(groups, 2, 300, True)
     counter = SyncCounter()
     counter.exempt = {id(v) for mb in mbs for v in mb.values() if torch.is_tensor(v)}
     orig_dev, orig_pass = forward.to_device, kept_graphs.mcore_compat.forwards_then_backwards
 
-    def to_device(batch, device):
-        out = orig_dev(batch, device)
-        return {
-            k: v.clone() if torch.is_tensor(v) else to_device(v, device) if isinstance(v, dict)
-            else v
-            for k, v in out.items()
-        }  # fmt: skip
+    to_device = distinct_copies(orig_dev)
 
     def counted(*a, **k):
         counter.active = True
