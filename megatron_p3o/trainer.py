@@ -25,7 +25,8 @@ from megatron_p3o.checkpoint.state import (
 )
 from megatron_p3o.config.loading import to_dict
 from megatron_p3o.config.train_config import TrainConfig
-from megatron_p3o.data.prompts import PromptData, all_rows, eval_items, remap_states
+from megatron_p3o.data.prompts import PromptData, all_rows, remap_states
+from megatron_p3o.env.types import eval_items
 from megatron_p3o.logprob.reference import ReferenceModel
 from megatron_p3o.loss import build_objective
 from megatron_p3o.model.builder import BuildOptions, build_model

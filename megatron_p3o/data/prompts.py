@@ -311,13 +311,3 @@ def prompt_texts(path: str, prompt_key: str = "prompt") -> List[str]:
     """Every prompt's text of a file, in order (a multi-turn environment starts from the text,
     not from token ids)."""
     return list(read_dataset(path)[prompt_key])
-
-
-def eval_items(path: str, prompt_key: str, rows, idx) -> list:
-    """The multi-turn evaluation's start of each selected prompt: ``EnvItem(i, text, answer, i)``
-    for ``i`` in ``idx`` (file order), ``rows`` from :func:`all_rows` (the answers). The row's
-    index is its seed, so every evaluation replays the same episode for the same prompt."""
-    from megatron_p3o.env.types import EnvItem
-
-    texts = prompt_texts(path, prompt_key)
-    return [EnvItem(i, texts[i], rows[i][1], i) for i in idx]

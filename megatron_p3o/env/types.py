@@ -58,3 +58,14 @@ class Environment(Protocol):
     def reset(self, item: EnvItem) -> Optional[str]: ...
 
     def step(self, turn: str) -> StepResult: ...
+
+
+def eval_items(path: str, prompt_key: str, rows, idx) -> list:
+    """The multi-turn evaluation's start of each selected prompt: ``EnvItem(i, text, answer, i)``
+    for ``i`` in ``idx`` (file order), ``rows`` from :func:`megatron_p3o.data.prompts.all_rows`
+    (the answers). The row's index is its seed: every evaluation replays the same episode for
+    the same prompt."""
+    from megatron_p3o.data.prompts import prompt_texts
+
+    texts = prompt_texts(path, prompt_key)
+    return [EnvItem(i, texts[i], rows[i][1], i) for i in idx]

@@ -115,7 +115,7 @@ def _probe(trainer, n_prompts, path=None, keep=False, on_phase=None):
     mine = [rows[i][0] for i in idx]
     items = None
     if getattr(trainer, "turns", None) is not None:  # multi-turn: trajectories through the loop
-        from megatron_p3o.data.prompts import eval_items
+        from megatron_p3o.env.types import eval_items
 
         items = eval_items(path, d.prompt_key, rows, idx)
     sampling = trainer.sampling

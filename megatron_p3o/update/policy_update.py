@@ -186,9 +186,10 @@ class PolicyUpdate:
             dtype=torch.float64,
             device=self.groups.device,
         )
-        dp = self.groups.layout.dp or 1
-        replicas = self.groups.world_size // dp
-        if misfit is not None and replicas > 1:
+        replicas = 1  # ranks that hold the same micro-batches (TP, CP): only asked with a verdict
+        if misfit is not None:
+            replicas = self.groups.world_size // (self.groups.layout.dp or 1)
+        if replicas > 1:
             why = ("N_B: each DP rank's share, repeated on its TP/CP ranks (divided back out); "
                    "and whether any rank's kept graphs do not fit")  # fmt: skip
             all_sum(local, self.groups.world, why)
