@@ -185,9 +185,7 @@ class FusedOutputLayer:
 
 
 def _fused_output(model) -> Optional[FusedOutputLayer]:
-    while hasattr(model, "module"):  # Megatron's DDP wrapper
-        model = model.module
-    return getattr(model, "fused_output", None)
+    return getattr(mcore_compat.unwrap(model), "fused_output", None)
 
 
 def _forward_step(groups: ParallelGroups, loss_fn: LossFn, data_iterator, model):

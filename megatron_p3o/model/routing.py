@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from megatron_p3o.runtime import mcore_compat
 from megatron_p3o.runtime.collectives import all_sum
 
 
@@ -63,9 +64,7 @@ class LayerRoutes:
 
 
 def _routers(model) -> List:
-    model = getattr(model, "module", model)
-    while hasattr(model, "module"):
-        model = model.module
+    model = mcore_compat.unwrap(model)
     out = []
     for layer in getattr(model.decoder, "layers", []):
         router = getattr(getattr(layer, "mlp", None), "router", None)

@@ -103,6 +103,13 @@ def forward_backward_func(pp: int, vpp: int | None):
     return get_forward_backward_func()
 
 
+def unwrap(model):
+    """The model inside Megatron's wrappers (DDP, Float16Module: each holds it as ``.module``)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def forwards_then_backwards(model, forward_step_func, microbatches, loss_of, pg_collection, cp):
     """0.16.1's ``forward_backward_no_pipelining`` with its forwards and backwards apart: every
     micro-batch's forward with its autograd graph kept, then, in micro-batch order,

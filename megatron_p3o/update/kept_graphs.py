@@ -39,18 +39,11 @@ from megatron_p3o.runtime import mcore_compat
 from megatron_p3o.runtime.parallel import ParallelGroups
 
 
-def unwrap(model):
-    """The model inside Megatron's DDP wrapper."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def layout_refuses(chunks, groups: ParallelGroups) -> Optional[str]:
     """Why this layout and model cannot keep a step's graphs (None: they can)."""
     if len(chunks) != 1 or groups.layout.pp_enabled:
         return "pipeline parallelism interleaves the stages' forwards and backwards"
-    cfg = unwrap(chunks[0]).config
+    cfg = mcore_compat.unwrap(chunks[0]).config
     if getattr(cfg, "num_moe_experts", None):
         return "mixture-of-experts layers set routing state per forward"
     if getattr(cfg, "mtp_num_layers", None):

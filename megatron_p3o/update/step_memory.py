@@ -41,6 +41,8 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 
+from megatron_p3o.runtime.mcore_compat import unwrap
+
 # The share of a device's remaining memory the kept graphs may take (the estimate is within
 # ~10% of the measured peak; the rest covers the backward's transients, fragmentation and
 # whatever else the process allocates meanwhile).
@@ -72,8 +74,7 @@ class GraphShape:
     @classmethod
     def of_model(cls, model, groups, local_window: Optional[int]) -> "GraphShape":
         """From a built model chunk (its ``TransformerConfig`` and output layer)."""
-        while hasattr(model, "module"):
-            model = model.module
+        model = unwrap(model)
         c = model.config
         tp = groups.layout.tp
         out = getattr(model, "output_layer", None)
@@ -187,9 +188,7 @@ def model_shape(model, groups) -> GraphShape:
     spec, flash attention's figures with Transformer Engine's."""
     from megatron_p3o.model.local_attention import PACK_WINDOW, LocalCoreAttention
 
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+    inner = unwrap(model)
     attn = inner.decoder.layers[0].self_attention.core_attention
     window = PACK_WINDOW if isinstance(attn, LocalCoreAttention) else None
     return GraphShape.of_model(inner, groups, window)

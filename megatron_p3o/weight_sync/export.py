@@ -23,15 +23,10 @@ from megatron_p3o.model.hf.mapping import (
     to_hf,
 )
 from megatron_p3o.runtime.collectives import all_gather_into
+from megatron_p3o.runtime.mcore_compat import unwrap
 from megatron_p3o.runtime.parallel import ParallelGroups
 
 _LOCAL_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _gather_tp(local: torch.Tensor, tm: TensorMap, groups: ParallelGroups) -> torch.Tensor:
@@ -67,7 +62,7 @@ def _stage_params(
     by_name: Dict[str, TensorMap] = {tm.mcore: tm for tm in tensor_maps(desc)}
     first_expert = groups.ep_rank * (desc.num_experts // groups.layout.ep) if desc.is_moe else 0
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         numbers = {}
         for i, layer in enumerate(getattr(model.decoder, "layers", [])):
             numbers[i] = layer.layer_number - 1  # global, 0-based
