@@ -18,6 +18,10 @@ the lm_head and embeddings (kept in bf16, as FP8 checkpoints do), and K's roundi
 
 Sampling is batched with a KV cache; each token's log-prob is taken under exactly the
 distribution it was drawn from (softmax(logits / T), truncated by top-k / top-p when enabled).
+As serving engines do, the n samples of a prompt share one prefill (its KV rows copied to each),
+and rows that finished leave the later forwards (in powers of two, so few shapes); neither
+changes a draw or a log-prob (each row's forward is its own, and the sampler draws for every
+row), tested against a plain loop over the whole batch.
 
 R2PO's residual rollout head (``rollout_head=True``): the engine samples from
 softmax((W_lm·h + W₂·ReLU(W₁·h)) / T), h the final normalized hidden state (a hook on
@@ -324,9 +328,26 @@ class EmbeddedEngine(RolloutEngine):
         self, prompts: List[List[int]], sampling: SamplingParams, gen: Optional[torch.Generator]
     ):
         ids, mask, pos = self._left_pad(prompts)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         b = len(prompts)
-        pre = self._call_routes(b)  # prompt tokens' experts (left-padded rows)
+        # one prefill per distinct prompt (the n samples of a group share it, as SGLang's
+        # prefix cache does): the rows keep the batch's padded length, so each is the same
+        # computation as in the whole batch; the KV cache and logits are then indexed out
+        first, rows = shared_prompts(prompts)
+        shared = len(first) < b
+        if shared:
+            sel = torch.tensor(first, dtype=torch.long, device=self.device)
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+            ids_p, mask_p, pos_p = ids[sel], mask[sel], pos[sel]
+        else:
+            ids_p, mask_p, pos_p = ids, mask, pos
+        out = self.model(input_ids=ids_p, attention_mask=mask_p, position_ids=pos_p,
+                         use_cache=True)  # fmt: skip
+        pre = self._call_routes(len(first))  # prompt tokens' experts (left-padded rows)
+        cache, logits = out[self._cache_kw], out.logits[:, -1]
+        if shared:
+            cache.batch_select_indices(idx)
+            logits = logits[idx]
+            pre = pre[idx] if pre is not None else None
         L0 = ids.shape[1]
         routes: List[List[Tensor]] = [
             [pre[i, L0 - len(p) :]] if pre is not None else [] for i, p in enumerate(prompts)
@@ -341,7 +362,7 @@ class EmbeddedEngine(RolloutEngine):
         stop_ids = torch.tensor(
             sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=self.device
         )
-        logits = out.logits[:, -1]
+        held = None  # the batch rows the model (and its KV cache) still runs; None: all b
         for step in range(sampling.max_new_tokens):
             if self.logit_noise > 0:  # the engine's own distribution is the perturbed one
                 eps = torch.randn(logits.shape, generator=gen, device=self.device)
@@ -356,21 +377,32 @@ class EmbeddedEngine(RolloutEngine):
             if step == sampling.max_new_tokens - 1 or bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], 1)
+            # finished rows leave the batch (their KV rows too) when the live ones fit in half
+            # of it: rows in powers of two, few shapes for the kernels to be built for. Each
+            # row's forward is its own computation, and the sampler still draws for all b rows
+            # (``multinomial`` takes one exponential per entry whatever the values), so the
+            # live rows' draws stay the same
+            stopped = done.tolist()
+            held = self._shrink(held, stopped, cache)
+            rows = slice(None) if held is None else held
             feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok)
-            cache = out[self._cache_kw]
             out = self.model(
-                input_ids=feed[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
+                input_ids=feed[rows, None],
+                attention_mask=mask[rows],
+                position_ids=next_pos[rows, None],
                 use_cache=True,
                 **{self._cache_kw: cache},
             )
             next_pos = next_pos + 1
-            logits = out.logits[:, -1]
-            fed = self._call_routes(b)
+            cache, new = out[self._cache_kw], out.logits[:, -1]
+            # rows that left keep their last logits: sampled from, never recorded
+            logits = new if held is None else logits.to(new.dtype).index_put_((held,), new)
+            fed = self._call_routes(len(new))
             if fed is not None:
-                for i in torch.nonzero(~done)[:, 0].tolist():  # its newest token went through
-                    routes[i].append(fed[i])
+                ran = range(b) if held is None else held.tolist()
+                for j, i in enumerate(ran):
+                    if not stopped[i]:  # its newest token went through
+                        routes[i].append(fed[j])
         counts = torch.stack(live_steps, 1).sum(1).tolist()
         all_toks = torch.stack(tok_steps, 1).tolist()
         all_lps = torch.stack(lp_steps, 1).tolist()
@@ -379,6 +411,22 @@ class EmbeddedEngine(RolloutEngine):
         finish = ["stop" if d else "length" for d in done.tolist()]
         routed = [torch.cat(r) if r else None for r in routes]
         return toks, lps, finish, routed
+
+    def _shrink(self, held: Optional[Tensor], stopped: List[bool], cache) -> Optional[Tensor]:
+        """The rows to run next (None: all of them): the held rows, cut to the smallest power
+        of two that holds every live row (finished rows fill the rest) when that is fewer; the
+        KV cache is cut to match."""
+        ran = list(range(len(stopped))) if held is None else held.tolist()
+        live = [r for r in ran if not stopped[r]]
+        size = 1 << max(len(live) - 1, 0).bit_length()
+        if size >= len(ran):
+            return held
+        live_set = set(live)
+        rows = sorted(live + [r for r in ran if r not in live_set][: size - len(live)])
+        where = {r: j for j, r in enumerate(ran)}
+        dev = self.device
+        cache.batch_select_indices(torch.tensor([where[r] for r in rows], device=dev))
+        return torch.tensor(rows, dtype=torch.long, device=dev)
 
     def generate(
         self,
@@ -434,6 +482,22 @@ class EmbeddedEngine(RolloutEngine):
             logp = sampling_logprobs(rows, sampling)
             out.append(logp.gather(-1, torch.as_tensor(list(c))[:, None])[:, 0].tolist())
         return out
+
+
+def shared_prompts(prompts: Sequence[Sequence[int]]):
+    """``(first, rows)``: the batch row where each distinct prompt first appears, and for every
+    row the index of its prompt in ``first`` (the n samples of a group share one prefill)."""
+    where: Dict[tuple, int] = {}
+    first: List[int] = []
+    rows: List[int] = []
+    for i, p in enumerate(prompts):
+        key = tuple(p)
+        j = where.get(key)
+        if j is None:
+            j = where[key] = len(first)
+            first.append(i)
+        rows.append(j)
+    return first, rows
 
 
 def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:

@@ -90,6 +90,52 @@ def test_seeded_sampling_is_reproducible(hf_model):
     assert [s.completion_ids for s in a] != [s.completion_ids for s in c]
 
 
+def test_shared_prefill_and_finished_rows_sample_as_a_plain_loop(hf_model, monkeypatch):
+    """The engine prefills each distinct prompt once for its n samples and drops finished rows
+    from later forwards (with their KV rows); neither may change what is sampled. Reference: a
+    plain loop over the whole left-padded batch — every row, every step, no KV cache, the full
+    sequences through transformers — drawing from the same generator."""
+    temp, seed, n, max_new = 0.9, 7, 4, 8
+    stop = tuple(range(0, 300, 3))  # a third of the vocabulary: rows stop at different steps
+    e = _engine(hf_model, "fp32")
+    ran, shrink = [], EmbeddedEngine._shrink
+
+    def spy(self, held, stopped, cache):
+        out = shrink(self, held, stopped, cache)
+        ran.append(len(stopped) if out is None else len(out))
+        return out
+
+    monkeypatch.setattr(EmbeddedEngine, "_shrink", spy)
+    sp = SamplingParams(temperature=temp, max_new_tokens=max_new, seed=seed, stop_token_ids=stop)
+    got = e.generate(PROMPTS, n, sp)
+    assert min(ran) < len(PROMPTS) * n, ran  # finished rows left the forwards
+    rows = [list(p) for p in PROMPTS for _ in range(n)]
+    gen = torch.Generator().manual_seed(seed)
+    toks, lps, done = [[] for _ in rows], [[] for _ in rows], [False] * len(rows)
+    with torch.no_grad():
+        for _ in range(max_new):
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+            mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)
+            z = hf_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+            logp = torch.log_softmax(z.float() / temp, -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0].tolist()
+            for i, t in enumerate(tok):
+                if not done[i]:
+                    toks[i].append(t)
+                    lps[i].append(float(logp[i, t]))
+                    done[i] = t in stop
+                rows[i].append(0 if done[i] else t)
+            if all(done):
+                break
+    lengths = {len(t) for t in toks}
+    assert len(lengths) >= 3 and any(done) and not all(done), (lengths, done)  # rows did leave
+    assert [s.completion_ids for s in got] == toks
+    assert max_abs_diff([s.logprobs for s in got], lps) < 1e-5
+    assert [s.finish_reason for s in got] == ["stop" if d else "length" for d in done]
+
+
 def test_stop_tokens_end_a_completion(hf_model):
     e = _engine(hf_model, "fp32")
     free = e.generate(PROMPTS, 1, SamplingParams(max_new_tokens=10, seed=5))

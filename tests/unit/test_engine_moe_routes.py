@@ -3,6 +3,7 @@ transformers' fused expert parameters, and records, for every token it feeds thr
 each layer's top-k experts — checked against a teacher-forced transformers forward of the whole
 sequence (its own routers' choices), position by position."""
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -27,7 +28,10 @@ def _model(tmp_path):
     return m, load_file(tmp_path / "hf" / "model.safetensors")
 
 
-def test_moe_engine_loads_per_expert_names_and_records_routes(tmp_path):
+# with a third of the vocabulary as stop tokens rows finish at different steps and leave the
+# later forwards: the routes recorded must still be each row's own
+@pytest.mark.parametrize("stop", [(), tuple(range(0, 64, 3))])
+def test_moe_engine_loads_per_expert_names_and_records_routes(tmp_path, stop):
     model, sd = _model(tmp_path)
     assert any(".experts.3.down_proj." in k for k in sd)  # checkpoint names, not fused ones
     eng = EmbeddedEngine(model.config.to_dict(), "fp32")
@@ -35,7 +39,11 @@ def test_moe_engine_loads_per_expert_names_and_records_routes(tmp_path):
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.allclose(eng.model(input_ids=ids).logits, model(input_ids=ids).logits)
-    samples = eng.generate(PROMPTS, 2, SamplingParams(max_new_tokens=6, seed=3))
+    samples = eng.generate(
+        PROMPTS, 2, SamplingParams(max_new_tokens=6, seed=3, stop_token_ids=stop)
+    )
+    if stop:
+        assert len({len(s.completion_ids) for s in samples}) > 1
     seen = {}
     hooks = [
         layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o[2]))
