@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -77,31 +77,71 @@ def _attend(
     return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
 
 
-@functools.lru_cache(maxsize=16)
-def _window_plan(cu: tuple, device: torch.device, window: int, dtype=torch.float32) -> tuple:
-    """``(lo, hi, mask)`` per window of consecutive sequences of the packed layout ``cu``:
-    windows grow while they stay within ``window`` tokens; ``mask`` is the window's
-    block-diagonal causal ``[w, w]`` additive mask in ``dtype`` (0 where a query may attend,
-    −inf elsewhere: what SDPA turns a boolean mask into, so the kernel sees the same input),
-    None for a one-sequence window (plain causal). Every layer and both passes of a micro-batch
-    share one layout, and SDPA's backward keeps a reference to the mask, not a copy: cached."""
-    bounds, plan, start = list(zip(cu[:-1], cu[1:])), [], 0
+def window_bounds(cu: Sequence[int], window: int) -> List[Tuple[int, int, int]]:
+    """``(lo, hi, sequences)`` of each window of the packed layout ``cu``: consecutive
+    sequences while they fit in ``window`` tokens (a longer sequence alone). The one rule of the
+    windows, for the attention and the step's memory model."""
+    bounds, out, start = list(zip(cu[:-1], cu[1:])), [], 0
     while start < len(bounds):
         end = start + 1
         while end < len(bounds) and bounds[end][1] - bounds[start][0] <= window:
             end += 1
-        lo, hi = bounds[start][0], bounds[end - 1][1]
-        mask = None
-        if end - start > 1:  # built on the host (numpy: microseconds, not a dozen torch calls)
-            seg = np.repeat(np.arange(end - start), [b - a for a, b in bounds[start:end]])
-            allowed = (seg[:, None] == seg[None, :]) & np.tri(hi - lo, dtype=bool)
-            add = torch.from_numpy(np.where(allowed, 0.0, -np.inf).astype(np.float32))
-            # a copy in torch's own (64-byte aligned) memory: SDPA reads a numpy-aligned mask
-            # ~5% slower
-            mask = add.to(device=device, dtype=dtype, copy=True)
-        plan.append((lo, hi, mask))
+        out.append((bounds[start][0], bounds[end - 1][1], end - start))
         start = end
-    return tuple(plan)
+    return out
+
+
+class _Group(NamedTuple):
+    """``count`` windows of ``width`` tokens in one SDPA call; ``mask`` their block-diagonal
+    causal additive masks ``[count, 1, w, w]``, None for one-sequence windows (plain causal)."""
+
+    width: int
+    count: int
+    mask: Optional[Tensor]
+
+
+class _WindowPlan(NamedTuple):
+    """The packed layout's windows grouped by (width, several sequences); ``perm`` puts each
+    group's tokens together (None: the groups are the windows in order), ``inv`` undoes it."""
+
+    groups: Tuple[_Group, ...]
+    perm: Optional[Tensor]
+    inv: Optional[Tensor]
+
+
+@functools.lru_cache(maxsize=16)
+def _window_plan(cu: tuple, device: torch.device, window: int, dtype=torch.float32) -> _WindowPlan:
+    """The SDPA calls of the packed layout ``cu`` (:func:`window_bounds`): windows of the same
+    width and kind share one batched call — the flash kernel runs each batch entry on its own,
+    so every window's numbers are those of a call of its own, bit for bit — with masks of 0
+    where a query may attend and −inf elsewhere (what SDPA turns a boolean mask into). Every
+    layer and both passes of a micro-batch share one layout, and SDPA's backward keeps a
+    reference to the mask, not a copy: cached."""
+    wins = window_bounds(cu, window)
+    members: Dict[Tuple[int, bool], List[int]] = {}
+    for i, (lo, hi, n) in enumerate(wins):
+        members.setdefault((hi - lo, n > 1), []).append(i)
+    seg = np.repeat(np.arange(len(cu) - 1), np.diff(cu))  # each token's sequence (host)
+    groups = []
+    for (w, several), idx in members.items():
+        mask = None
+        if several:  # built on the host (numpy), written into torch's own aligned memory
+            mask = torch.empty(len(idx), 1, w, w, dtype=torch.float32)
+            tri = np.tri(w, dtype=bool)
+            for j, i in enumerate(idx):
+                sg = seg[wins[i][0] : wins[i][1]]
+                allowed = (sg[:, None] == sg[None, :]) & tri
+                mask[j, 0].numpy()[...] = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
+            mask = mask.to(device=device, dtype=dtype)
+        groups.append(_Group(w, len(idx), mask))
+    order = [i for idx in members.values() for i in idx]
+    if order == list(range(len(wins))):
+        return _WindowPlan(tuple(groups), None, None)
+    perm = np.concatenate([np.arange(wins[i][0], wins[i][1]) for i in order])
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(len(perm))
+    as_index = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return _WindowPlan(tuple(groups), as_index(perm), as_index(inv))
 
 
 class LocalCoreAttention(MegatronModule):
@@ -200,13 +240,15 @@ class LocalCoreAttention(MegatronModule):
         return torch.cat(outs).reshape(t, nh * d)
 
     def _packed_windows(self, query: Tensor, key: Tensor, value: Tensor, cu) -> Tensor:
-        """No CP: one SDPA per window of consecutive sequences, block-diagonal causal mask.
-        ``[t, n, d]`` → ``[t, n·d]``; ``cu`` the host list of sequence boundaries.
+        """No CP: one SDPA per group of windows of consecutive sequences (block-diagonal causal
+        masks; windows of one width batched, :func:`_window_plan`). ``[t, n, d]`` →
+        ``[t, n·d]``; ``cu`` the host list of sequence boundaries.
 
         What :func:`_attend` does per window is done once for the whole micro-batch — the
-        float32 view, GQA's repeat of K and V — and the windows are ``split`` views (one
-        gradient ``cat`` in the backward, not a zero-filled full-size tensor per slice): the
-        same SDPA inputs, the same numbers, bit for bit."""
+        float32 view, GQA's repeat of K and V — and the windows are ``split`` views of the
+        tokens, gathered group by group where the groups are not the windows in order (an
+        ``index_select``: exact both ways): the same SDPA inputs, the same numbers, bit for
+        bit."""
         t, nh, d = query.shape
         if cu[0] != 0 or cu[-1] != t:
             raise ValueError(f"cu_seqlens {cu} cover {cu[-1] - cu[0]} of this rank's {t} tokens")
@@ -215,15 +257,21 @@ class LocalCoreAttention(MegatronModule):
         if rep > 1:
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         plan = _window_plan(tuple(cu), query.device, PACK_WINDOW, dt)
-        sizes = [hi - lo for lo, hi, _ in plan]
-        qs, ks, vs = (x.to(dt).split(sizes) for x in (query, key, value))
+        sizes = [g.width * g.count for g in plan.groups]
+        qkv = [x.to(dt) for x in (query, key, value)]
+        if plan.perm is not None:
+            qkv = [x.index_select(0, plan.perm) for x in qkv]
         outs = []
-        for (_, _, mask), q, k, v in zip(plan, qs, ks, vs):
-            q, k, v = (x.permute(1, 0, 2)[None] for x in (q, k, v))  # [1, n, w, d]
+        for g, q, k, v in zip(plan.groups, *(x.split(sizes) for x in qkv)):
+            # [count·w, n, d] → [count, n, w, d]
+            q, k, v = (x.view(g.count, g.width, nh, d).permute(0, 2, 1, 3) for x in (q, k, v))
             scale = self.softmax_scale
-            if mask is None:
+            if g.mask is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            outs.append(o[0].permute(1, 0, 2).to(query.dtype))
-        return (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(t, nh * d)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+            outs.append(o.permute(0, 2, 1, 3).reshape(g.count * g.width, nh, d).to(query.dtype))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if plan.perm is not None:
+            out = out.index_select(0, plan.inv)
+        return out.reshape(t, nh * d)

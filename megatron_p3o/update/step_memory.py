@@ -24,7 +24,8 @@ g key/value heads, f the MLP width, TP-sharded where Megatron shards them), as m
 
 Once per micro-batch on the local spec, for windows of several packed sequences: the float
 block-diagonal mask (w² fp32 per w-token window), which every layer's SDPA keeps a reference to
-(:func:`~megatron_p3o.model.local_attention._window_plan` builds it once per layout).
+(:func:`~megatron_p3o.model.local_attention._window_plan` builds it once per layout; windows
+of one width share a batched call, their masks stacked: the same bytes).
 
 Per token outside the layers: the final norm (2h + 1) and the loss side: the fused output layer
 keeps its input (h) and five per-token values (target, shard flag, max, log-sum, entropy: 21
@@ -139,19 +140,11 @@ class GraphShape:
 
 
 def pack_windows(cu_seqlens: Sequence[int], window: int) -> List[int]:
-    """Tokens of each multi-sequence window of the local attention's packed layout (consecutive
-    sequences while they fit in ``window`` tokens; a lone sequence has no mask), the rule of
-    :func:`megatron_p3o.model.local_attention._window_plan`."""
-    bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:]))
-    out, start = [], 0
-    while start < len(bounds):
-        end = start + 1
-        while end < len(bounds) and bounds[end][1] - bounds[start][0] <= window:
-            end += 1
-        if end - start > 1:
-            out.append(bounds[end - 1][1] - bounds[start][0])
-        start = end
-    return out
+    """Tokens of each multi-sequence window of the local attention's packed layout (a lone
+    sequence has no mask): :func:`megatron_p3o.model.local_attention.window_bounds`."""
+    from megatron_p3o.model.local_attention import window_bounds
+
+    return [hi - lo for lo, hi, n in window_bounds(cu_seqlens, window) if n > 1]
 
 
 def kept_graph_bytes(shape: GraphShape, microbatches, device: torch.device) -> float:

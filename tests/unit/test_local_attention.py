@@ -81,3 +81,45 @@ def test_gradients_equal_the_reference():
     (_reference(qd, kd, vd, cu, core.softmax_scale) * w.double()).sum().backward()
     for a, b in zip(got, (qd.grad, kd.grad, vd.grad)):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_windows_of_one_width_share_a_call_bit_for_bit(monkeypatch):
+    """Windows of one width run as one batched SDPA call (their tokens gathered, the output put
+    back): each window's output and gradients equal those of an SDPA call of its own, as the
+    flash kernel runs every batch entry alone (compared on this machine, run against run)."""
+    monkeypatch.setattr(local_attention, "PACK_WINDOW", 20)
+    lengths = [9, 11, 5, 15, 20, 9, 11, 3, 7, 13, 4]  # widths 20, 20, 20 (alone), 20, 3, 7+13, 4
+    q, k, v, cu, params = _inputs(lengths, seed=5)
+    plan = local_attention._window_plan(tuple(cu), torch.device("cpu"), 20)
+    assert plan.perm is not None and len(plan.groups) < 7
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    core = _core()
+    w = torch.randn(sum(lengths), 32, generator=torch.Generator().manual_seed(2))
+    out = core(q, k, v, None, packed_seq_params=params)
+    (out * w).sum().backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    ref_out, grads = [], [torch.zeros_like(x) for x in (q, k, v)]
+    for lo, hi, n in local_attention.window_bounds(cu, 20):
+        qs, ks, vs = (x.detach()[lo:hi].clone().requires_grad_() for x in (q, k, v))
+        kr, vr = ks.repeat_interleave(2, dim=1), vs.repeat_interleave(2, dim=1)
+        a, b, c = (x.permute(1, 0, 2)[None] for x in (qs, kr, vr))
+        if n == 1:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                a, b, c, is_causal=True, scale=core.softmax_scale
+            )
+        else:
+            seg = torch.repeat_interleave(torch.arange(n), torch.tensor(
+                [e - s for s, e in zip(cu[:-1], cu[1:]) if lo <= s < hi]))  # fmt: skip
+            allowed = (seg[:, None] == seg[None, :]) & torch.ones(hi - lo, hi - lo).tril().bool()
+            mask = torch.zeros(hi - lo, hi - lo).masked_fill(~allowed, float("-inf"))
+            o = torch.nn.functional.scaled_dot_product_attention(
+                a, b, c, attn_mask=mask, scale=core.softmax_scale
+            )
+        o = o[0].permute(1, 0, 2).reshape(hi - lo, -1)
+        (o * w[lo:hi]).sum().backward()
+        ref_out.append(o.detach())
+        for g, x in zip(grads, (qs, ks, vs)):
+            g[lo:hi] = x.grad
+    assert torch.equal(out.detach(), torch.cat(ref_out))
+    for a, b in zip(got, grads):
+        assert torch.equal(a, b)
