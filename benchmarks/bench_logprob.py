@@ -15,8 +15,9 @@ at T ∈ ``--tokens-list`` (2048, 8192), V = 32768, h = 512, fp32. ``*_nograd`` 
 step's no-grad forwards alone (ESS pre-pass, ℓold, reference); ``*_step`` rows are the trainer's
 whole last-stage cost per micro-batch of a P3O step through the ESS pre-pass (no grad, ℓθ + the
 metric entropy), then the gradient pass (ℓθ, no entropy) and its backward; ``fused_kept`` is the
-trainer's path where the step's graphs fit (``batch.keep_graphs``): one forward (ℓθ with the
-metric entropy), e_B's float64 statistics from its ℓθ, the backward — no pre-pass. Each
+trainer's path where the step fits (``batch.keep_graphs`` and ``batch.keep_logits``): one
+forward (ℓθ with the metric entropy) that keeps its chunks' logits, e_B's float64 statistics
+from its ℓθ, the backward from the kept logits — no pre-pass, no recomputed matmul. Each
 (variant, T) runs in fresh processes; peak memory is the kernel's resident high-water mark
 (VmHWM, reset just before the call) above the inputs. Targets: at the largest T, fused peak
 ≤ 0.25× unfused, fused time ≤ 1.1× unfused (the trainer's step), the trainer's path where the
@@ -234,6 +235,7 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     from megatron_p3o.loss.ess import ess_stats
     from megatron_p3o.model.output_layer import output_layer_input
     from megatron_p3o.runtime.parallel import Layout, initialize
+    from megatron_p3o.update.step_memory import room_for_graphs
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     groups = initialize(Layout(tp=tp))
@@ -247,6 +249,10 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     lb = -math.log(vocab) + 0.3 * torch.randn(tokens, generator=g)  # the engine's ℓb
     ones = torch.ones(tokens)
     slime = load_slime(slime_repo) if variant == "slime" else None
+    # where the step fits the trainer keeps the fused kernel's logits for the backward
+    # (batch.keep_logits: auto, step_memory.logits_fit): this T × V/tp fp32 within the room
+    kept_bytes = tokens * v * 4
+    keep_logits = variant.endswith("_kept") and kept_bytes <= room_for_graphs(torch.device("cpu"))
 
     def run(h, w):
         if variant.endswith("_nograd"):
@@ -273,8 +279,9 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
         x = output_layer_input(h, tp_group)  # as ColumnParallelLinear: dh summed over TP
         if variant.startswith("fused"):
             lp, ent = fused_vocab_parallel_logprobs(
-                x, w, targets, tp_group, chunk_size=chunk, with_entropy=entropy
-            )
+                x, w, targets, tp_group, chunk_size=chunk, with_entropy=entropy,
+                keep_logits=keep_logits,
+            )  # fmt: skip
         else:
             logits = x @ w.t()  # the output layer's materialised [T, V/tp] logits
             if variant.startswith("unfused"):
@@ -307,7 +314,7 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     if tp > 1:
         dist.barrier()  # world: no rank exits while the other is still in a collective
     return {"variant": variant, "tokens": tokens, "time_s": times[len(times) // 2],
-            "peak_extra_mb": peaks[0]}  # fmt: skip
+            "peak_extra_mb": peaks[0], "kept_logits": keep_logits}  # fmt: skip
 
 
 def _launch(args: list, tp: int, port: int) -> dict:
@@ -362,6 +369,8 @@ def last_stage_main(a) -> None:
     fs, us = rows[("fused_step", big)], rows[("unfused_step", big)]
     s = rows.get(("slime", big))
     kept = rows[("fused_kept", big)]
+    print(f"fused_kept at T={big}: logits kept for the backward: {kept['kept_logits']} "
+          "(batch.keep_logits: auto, where T × V/tp fp32 fits the memory plan's room)")  # fmt: skip
     vs_slime = f"{kept['time_s'] / s['time_s']:.2f}" if s else "nan"
     prepass_vs_slime = f"{fs['time_s'] / s['time_s']:.2f}" if s else "nan"
     print(

@@ -87,7 +87,7 @@ class Trainer:
         self.reference = self._build_reference(cfg, groups, ckpt)
         self.update = PolicyUpdate(
             self.objective, groups, self.desc.vocab_size, cfg.loss, self.sampling.temperature,
-            keep_graphs=cfg.batch.keep_graphs,
+            keep_graphs=cfg.batch.keep_graphs, keep_logits=cfg.batch.keep_logits,
         )  # fmt: skip
         self.r2po = None
         if cfg.r2po.enabled:  # the residual rollout head on the last stage, and its phase

@@ -7,6 +7,9 @@ This kernel takes the hidden states ``h [T, d]`` and the output layer's vocabula
 ``W [V/tp, d]`` and works through the tokens in chunks: at most ``chunk × V/tp`` logits exist at
 a time, in one fp32 buffer (two when the entropy is asked for); the backward recomputes each
 chunk's logits and accumulates dW and dh, so nothing of size T × V is kept between the passes.
+Where the memory plan says they fit (``keep_logits``), the forward keeps each chunk's logits
+instead and the backward starts from them: one output-layer matmul fewer (the forward, dh and dW
+remain, as in an unfused pass), bit for bit the same numbers.
 
 Maths (per token, shard of rank r, temperature T, padded vocabulary rows of W left out), the same
 as :mod:`~megatron_p3o.logprob.kernels`'s, in the same floating-point steps:
@@ -38,7 +41,7 @@ size groups the tokens' contributions differently (a few ulp). The chunk size is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +60,7 @@ class _Cfg:
     chunk_size: Optional[int]
     with_entropy: bool
     with_lse: bool
+    keep_logits: bool = False
 
 
 # logits per chunk: on CPUs a chunk that stays in the cache (16 MB of fp32: its elementwise
@@ -107,6 +111,45 @@ def _chunk_probs(hs, ws, s: int, e: int, real: int, out: Tensor, inv_t: float, l
     return _chunk_logits(hs, ws, s, e, real, out, inv_t).sub_(lse[:, None]).exp_()
 
 
+class _KeptLogits:
+    """Memory for kept logits (``keep_logits``), handed back by each backward and reused by the
+    next forward, on the host only: a fresh host buffer is zeroed and mapped page by page as it
+    is first written (0.2 s for 512 MB on the 2-core VM, a tenth of the matmul the keep saves;
+    CUDA's caching allocator already reuses device memory). Free buffers stay resident: at most
+    ``limit`` of them, the largest; :meth:`pooled_bytes` counts them for the memory plan."""
+
+    def __init__(self, limit: int = 8):
+        self.free: List[Tensor] = []
+        self.limit = limit
+
+    def take(self, numel: int, device: torch.device) -> Tensor:
+        if device.type == "cpu":
+            fits = [i for i, b in enumerate(self.free) if b.numel() >= numel]
+            if fits:
+                best = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+                return best[:numel]
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
+    def give(self, buf: Tensor) -> None:
+        if buf.device.type != "cpu":
+            return
+        base = buf._base if buf._base is not None else buf
+        self.free.append(base)
+        self.free.sort(key=Tensor.numel, reverse=True)
+        del self.free[self.limit :]
+
+    def pooled_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.free)
+
+
+_KEPT = _KeptLogits()
+
+
+def kept_logits_pooled_bytes() -> int:
+    """Host bytes held free for kept logits (the memory plan counts them as available)."""
+    return _KEPT.pooled_bytes()
+
+
 class _FusedLogprob(torch.autograd.Function):
     """ℓ(y), H and lse of softmax((h·Wᵀ + Σ r_i·W_iᵀ) / T) over a vocabulary shard, chunked.
 
@@ -128,8 +171,11 @@ class _FusedLogprob(torch.autograd.Function):
         # rows: Σexp (local), z_y / T, and Σ e^{z−m}(z−m) for the entropy
         stats = torch.zeros(3 if cfg.with_entropy else 2, n, dtype=torch.float64, device=dev)
         m_all = torch.full((n,), -float("inf"), dtype=torch.float32, device=dev)
+        # keep_logits: every chunk's z / T, for the backward instead of a recompute
+        kept = _KEPT.take(n * real, dev) if cfg.keep_logits and real > 0 else None
         for s, e in _row_blocks(n, rows):
-            z = _chunk_logits(hs, ws, s, e, real, buf[: e - s], 1.0)
+            out = buf[: e - s] if kept is None else kept[s * real : e * real].view(e - s, real)
+            z = _chunk_logits(hs, ws, s, e, real, out, 1.0)
             if real > 0:
                 # z_y / T from the unscaled logit, in float64 (as the unfused kernel takes it)
                 hit = z.gather(1, local_t[s:e, None]).squeeze(1).double()
@@ -142,7 +188,10 @@ class _FusedLogprob(torch.autograd.Function):
                 all_max(m, cfg.tp_group, "the chunk's max over the whole vocabulary (stable lse)")
             if real == 0:  # a shard of padding columns only: it adds nothing to the sums
                 continue
-            z.sub_(m[:, None])
+            if kept is not None:  # z / T stays; z − m goes to the scratch buffer (same values)
+                z = torch.sub(z, m[:, None], out=buf[: e - s])
+            else:
+                z.sub_(m[:, None])
             if cfg.with_entropy:
                 p = torch.exp(z, out=ebuf[: e - s])
                 stats[0, s:e] = p.sum(-1).double()
@@ -162,13 +211,16 @@ class _FusedLogprob(torch.autograd.Function):
         # an output the loss does not use (the metric entropy) gets None, not a zero tensor
         # that would cost the backward a log pass over every chunk
         ctx.set_materialize_grads(False)
-        ctx.cfg, ctx.real, ctx.rows = cfg, real, rows
+        # the kept logits ride on ctx, not as saved tensors: the backward hands their memory
+        # back for the next forward (a second backward of a retained graph recomputes them)
+        ctx.cfg, ctx.real, ctx.rows, ctx.kept = cfg, real, rows, kept
         return logp, ent, lse.float() if cfg.with_lse else None
 
     @staticmethod
     def backward(ctx, g_logp: Optional[Tensor], g_ent: Optional[Tensor], g_lse: Optional[Tensor]):
         local_t, in_shard, m_all, log_s, ent, *tensors = ctx.saved_tensors
-        cfg, real, rows = ctx.cfg, ctx.real, ctx.rows
+        cfg, real, rows, kept = ctx.cfg, ctx.real, ctx.rows, ctx.kept
+        ctx.kept = None
         hs, ws = tensors[0::2], tensors[1::2]
         n, dev = hs[0].shape[0], hs[0].device
         need_h = ctx.needs_input_grad[2::2]
@@ -194,8 +246,11 @@ class _FusedLogprob(torch.autograd.Function):
                     if d is not None:
                         d[s:e] = 0
                 continue
-            # the chunk's logits again (the forward kept none), then G in their storage
-            p = _chunk_probs(hs, ws, s, e, real, buf[: e - s], cfg.inv_t, lse[s:e])
+            if kept is not None:  # the forward's z / T: p in the forward's own steps
+                z = kept[s * real : e * real].view(e - s, real)
+                p = torch.sub(z, lse[s:e, None], out=buf[: e - s]).exp_()
+            else:  # the chunk's logits again (the forward kept none), then G in their storage
+                p = _chunk_probs(hs, ws, s, e, real, buf[: e - s], cfg.inv_t, lse[s:e])
             if use_ent:
                 # ∂H/∂z = −p (log p + H); ∂ℓ/∂z = onehot − p
                 term = torch.log(p).add_(ent[s:e, None]).mul_(neg_gh[s:e, None])
@@ -216,6 +271,8 @@ class _FusedLogprob(torch.autograd.Function):
                     d_w[:real].addmm_(g.t(), h[s:e])
                 else:  # the chunk's product in the weight's dtype, accumulated in fp32
                     d_w[:real].add_(torch.mm(g.t(), h[s:e].to(g.dtype)).float())
+        if kept is not None:
+            _KEPT.give(kept)
         grads = []
         for w, d_h, d_w in zip(ws, dh, dw):
             grads += [d_h, d_w.to(w.dtype) if d_w is not None else None]
@@ -233,6 +290,7 @@ def fused_vocab_parallel_logprobs(
     vocab_size: Optional[int] = None,
     with_lse: bool = False,
     extra: Sequence[Tuple[Tensor, Tensor]] = (),
+    keep_logits: bool = False,
 ):
     """Log-prob of each target token (and the entropy, the log-partition) under
     softmax((hidden·weightᵀ + Σ r_i·W_iᵀ) / temperature), without materialising the logits.
@@ -253,6 +311,11 @@ def fused_vocab_parallel_logprobs(
             are excluded (and get a zero gradient).
         with_lse: also return the log-partition log Σ_v exp(z_v / T).
         extra: ``((r [..., d_i], W_i [V/tp, d_i]), …)`` terms added to the logits.
+        keep_logits: keep each chunk's logits for the backward (``T × V/tp`` fp32 held between
+            the passes) instead of recomputing them there: one output-layer matmul fewer, the
+            same numbers bit for bit; for where they fit (the trainer decides from its memory
+            plan, :func:`~megatron_p3o.update.step_memory.logits_fit`). Moot without a
+            gradient.
 
     Returns:
         ``(logprobs [...], entropy [...] or None)``, plus ``lse [...]`` with ``with_lse``; fp32,
@@ -277,7 +340,9 @@ def fused_vocab_parallel_logprobs(
                 f"targets {tuple(lead)} and weight {tuple(weight.shape)}"
             )
         tensors += [h.reshape(-1, h.shape[-1]).contiguous(), w.contiguous()]
-    cfg = _Cfg(tp_group, 1.0 / float(temperature), vocab_size, chunk_size, with_entropy, with_lse)
+    keep_logits = keep_logits and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    cfg = _Cfg(tp_group, 1.0 / float(temperature), vocab_size, chunk_size, with_entropy, with_lse,
+               keep_logits)  # fmt: skip
     lp, ent, lse = _FusedLogprob.apply(cfg, target_ids.reshape(-1).long(), *tensors)
     lp = lp.reshape(lead)
     ent = ent.reshape(lead) if ent is not None else None

@@ -28,6 +28,7 @@ def response_logprobs(
     with_entropy: bool = False,
     with_value: bool = False,
     inplace: bool = False,
+    keep_logits: bool = False,
 ):
     """``(ℓ [n, L], entropy [n, L] or None, value [n] or None)`` of each sequence's completion
     tokens at temperature T, for the policy and the reference model alike.
@@ -41,7 +42,8 @@ def response_logprobs(
     ``logits``: ``[b, s/cp, V/tp]``, or on the fused path (``model.fused_logprob``) the
     :class:`~megatron_p3o.model.output_layer.OutputLayerInput` the last stage handed over: the
     same values from the hidden states and the output weight, chunk by chunk (``inplace`` is
-    then moot: no logits exist)."""
+    then moot: no logits exist; ``keep_logits``: the kernel keeps its chunks' logits for the
+    backward, where the caller's memory plan says they fit)."""
     common = dict(
         temperature=temperature, chunk_size=chunk, vocab_size=vocab_size,
         with_entropy=with_entropy, with_lse=with_value,
@@ -49,7 +51,7 @@ def response_logprobs(
     if isinstance(logits, OutputLayerInput):
         out = fused_vocab_parallel_logprobs(
             logits.hidden, logits.weight, batch["targets"], groups.tp, extra=logits.extra,
-            **common,
+            keep_logits=keep_logits, **common,
         )  # fmt: skip
     else:
         out = vocab_parallel_logprobs(

@@ -36,6 +36,7 @@ from megatron_p3o.types import Sample
 from megatron_p3o.update.balance import agree_on_count, balance_over_dp, imbalance, pack_by_budget
 
 KEEP_GRAPHS = ("auto", "always", "never")  # batch.keep_graphs (:mod:`.kept_graphs`)
+KEEP_LOGITS = ("auto", "never")  # batch.keep_logits (:mod:`megatron_p3o.logprob.fused`)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class BatchConfig:
         kept, instead of a no-grad pre-pass (one forward fewer; the same numbers):
         "auto" when the step's graphs fit in half the memory left (no pipelining, dense
         models), "always" whenever the layout allows, "never" (the pre-pass).
+    keep_logits: the fused log-prob kernel (``model.fused_logprob``) keeps each chunk's logits
+        for its backward instead of recomputing them (one output-layer matmul fewer per
+        micro-batch, the same numbers): "auto" where they fit beside the step's graphs in the
+        same room as ``keep_graphs`` (:func:`~megatron_p3o.update.step_memory.logits_fit`),
+        "never" (the recompute: nothing of size T × V/tp between the passes).
     """
 
     prompts_per_rollout: int = 64
@@ -65,6 +71,7 @@ class BatchConfig:
     balance_dp: bool = True
     mask_truncated: bool = False
     keep_graphs: Literal["auto", "always", "never"] = "auto"
+    keep_logits: Literal["auto", "never"] = "auto"
 
     RANGES: ClassVar[Dict[str, str]] = {
         "prompts_per_rollout": ">= 1",
@@ -77,6 +84,7 @@ class BatchConfig:
     def __post_init__(self):
         check_ranges(self, self.RANGES, "batch")
         check_choice("batch.keep_graphs", self.keep_graphs, KEEP_GRAPHS)
+        check_choice("batch.keep_logits", self.keep_logits, KEEP_LOGITS)
 
 
 # Transformer Engine's FP8 GEMMs need each rank's token rows divisible by 8 (16 for some

@@ -83,7 +83,7 @@ from megatron_p3o.runtime.collectives import (
 from megatron_p3o.runtime.fields import check_choice
 from megatron_p3o.runtime.parallel import ParallelGroups
 from megatron_p3o.update import kept_graphs, step_memory
-from megatron_p3o.update.batching import KEEP_GRAPHS, stack_padded
+from megatron_p3o.update.batching import KEEP_GRAPHS, KEEP_LOGITS, stack_padded
 
 # the step's count of non-finite ℓθ travels with its metrics (one reduction), never logged
 _NONFINITE = "_nonfinite_logprobs"
@@ -104,6 +104,7 @@ class StepPlan:
     one_pool: bool  # each DP rank holds one micro-batch and no PP: an in-pass pool is the step
     entropy_done: bool  # the pre-pass took the metric-only entropy
     want_entropy: bool
+    keep_logits: bool = False  # the fused kernel keeps its logits for the backward (this rank)
     cut: Optional[Any] = None
     m2_kept: Optional[float] = None
 
@@ -116,6 +117,9 @@ class PolicyUpdate:
     from the gradient pass's own forwards, their graphs kept (:mod:`.kept_graphs`): ``auto``
     when they fit in memory, ``always`` whenever the layout allows, ``never`` (the default of a
     ``PolicyUpdate`` built in code; the trainer passes the recipe's): the ESS pre-pass.
+    ``keep_logits`` (``batch.keep_logits``): the fused kernel keeps its logits for the gradient
+    pass's backward where they fit (``auto``), or recomputes them (``never``, the default in
+    code).
     """
 
     def __init__(
@@ -126,13 +130,15 @@ class PolicyUpdate:
         cfg: LossConfig = LossConfig(),
         temperature: float = 1.0,
         keep_graphs: str = "never",
+        keep_logits: str = "never",
     ):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0")
         check_choice("batch.keep_graphs", keep_graphs, KEEP_GRAPHS)
         self.objective, self.groups, self.vocab_size, self.cfg = objective, groups, vocab_size, cfg
         self.temperature = temperature
-        self.keep_graphs = keep_graphs
+        check_choice("batch.keep_logits", keep_logits, KEEP_LOGITS)
+        self.keep_graphs, self.keep_logits = keep_graphs, keep_logits
 
     # -- stage 0: input checks -----------------------------------------------------------------
     def _check_behavior_logprobs(self, microbatches: List[MicroBatch]) -> None:
@@ -202,7 +208,8 @@ class PolicyUpdate:
             raise EmptyStepError("the optimizer step has no valid tokens (all loss masks are 0)")
         return n_tok, n_seq, int(n_micro), misfits
 
-    def _logprobs(self, batch, logits, watch: FiniteWatch, entropy: bool = True, value=False):
+    def _logprobs(self, batch, logits, watch: FiniteWatch, entropy: bool = True, value=False,
+                  keep_logits: bool = False):  # fmt: skip
         """ℓθ, entropy, the mask to use and V(s₁) of one micro-batch, with no host read: with
         ``nonfinite: mask`` non-finite tokens leave the mask; with ``error`` (ℓb was checked on
         every rank before the step) ``watch`` keeps ℓθ, and the step raises after its schedule
@@ -211,6 +218,7 @@ class PolicyUpdate:
         lp, ent, val = response_logprobs(
             batch, logits, self.groups, self.temperature, self.vocab_size,
             self.cfg.logprob_chunk, with_entropy=entropy, with_value=value, inplace=True,
+            keep_logits=keep_logits,
         )  # fmt: skip
         resp = batch["response"]
         mask = resp["mask"].to(torch.float32)
@@ -407,6 +415,11 @@ class PolicyUpdate:
         else:
             ess_from = "kept_graphs" if keep is not None and not misfits else "prepass"
         entropy_done = ess_from == "prepass" and self.cfg.log_entropy
+        keep_logits = (
+            self.keep_logits == "auto" and chunks is not None
+            and step_memory.logits_fit(chunks, microbatches, self.groups,
+                                       ess_from == "kept_graphs")
+        )  # fmt: skip
         return StepPlan(
             n_tok=n_tok,
             n_seq=n_seq,
@@ -416,6 +429,7 @@ class PolicyUpdate:
             entropy_done=entropy_done,
             want_entropy=self.objective.needs_entropy
             or (self.cfg.log_entropy and not entropy_done),
+            keep_logits=keep_logits,
         )
 
     def _keep_mode(self, chunks) -> Optional[str]:
@@ -474,7 +488,8 @@ class PolicyUpdate:
         """A micro-batch's loss inputs from the model's output: ℓθ (and the entropy, V(s₁) when
         asked for), the mask to use; checked against what the objective needs."""
         lp, ent, mask, val = self._logprobs(batch, logits, watch, plan.want_entropy,
-                                            self.objective.needs_value)  # fmt: skip
+                                            self.objective.needs_value,
+                                            plan.keep_logits)  # fmt: skip
         inp = self._inputs(batch, lp, ent, mask, val)
         self.objective.check_inputs(inp)
         return inp

@@ -29,13 +29,15 @@ of one width share a batched call, their masks stacked: the same bytes).
 
 Per token outside the layers: the final norm (2h + 1) and the loss side: the fused output layer
 keeps its input (h) and five per-token values (target, shard flag, max, log-sum, entropy: 21
-bytes); an unfused output layer keeps its fp32 logits (V/tp). The peak of a kept-graph step is
+bytes), and its fp32 logits (V/tp) where it keeps them (``batch.keep_logits``); an unfused
+output layer keeps its fp32 logits (V/tp). The peak of a kept-graph step is
 this sum plus the backward's transient of one micro-batch, a few per cent on the tiny recipe
 (``benchmarks/bench_step_profile.py --memory`` measures it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
@@ -70,6 +72,7 @@ class GraphShape:
     gated: bool = True
     local_window: Optional[int] = 128
     fused: bool = True
+    kept_logits: bool = False  # the fused kernel keeps its chunks' logits (``batch.keep_logits``)
     sequence_parallel_tp: int = 1  # TP under sequence parallelism (hidden-sized tensors ÷ it)
 
     @classmethod
@@ -118,6 +121,8 @@ class GraphShape:
         layer = 2 * norm_linear + attn + proj + mlp
         ends = 8 + 2 * h * e + FLOAT32 + rope  # token ids (embedding), the final norm, RoPE
         loss = self.hidden * e + 21 if self.fused else self.vocab_rows * FLOAT32
+        if self.fused and self.kept_logits:
+            loss += self.vocab_rows * FLOAT32
         return self.layers * layer + ends + loss
 
     def mask_bytes(self, window_tokens: Iterable[int]) -> float:
@@ -164,14 +169,17 @@ def kept_graph_bytes(shape: GraphShape, microbatches, device: torch.device) -> f
 def room_for_graphs(device: torch.device) -> float:
     """Bytes this rank may give the kept graphs: :data:`KEEP_FRACTION` of what its device has
     left (a GPU: free plus what the caching allocator holds unused; the host: the kernel's
-    MemAvailable, shared by the node's ranks)."""
+    MemAvailable plus the fused kernel's pooled logits buffers, shared by the node's ranks)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return KEEP_FRACTION * (free + unused)
+    from megatron_p3o.logprob.fused import kept_logits_pooled_bytes
+
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
-    available = int(info["MemAvailable"].split()[0]) * 1024
+    # the fused kernel's pooled logits buffers are this process's, free for its next step
+    available = int(info["MemAvailable"].split()[0]) * 1024 + kept_logits_pooled_bytes()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return KEEP_FRACTION * available / max(local, 1)
 
@@ -190,6 +198,21 @@ def model_shape(model, groups) -> GraphShape:
 def graphs_fit(chunks, microbatches, groups) -> bool:
     """Whether this rank's kept graphs of ``microbatches`` fit (``batch.keep_graphs: auto``)."""
     shape = model_shape(chunks[0], groups)
+    return kept_graph_bytes(shape, microbatches, groups.device) <= room_for_graphs(groups.device)
+
+
+def logits_fit(chunks, microbatches, groups, kept_graphs: bool) -> bool:
+    """Whether the fused log-prob kernel may keep its chunks' logits for the backward
+    (``batch.keep_logits: auto``): this rank's graphs with every micro-batch's logits kept
+    (``kept_graphs``: the step's graphs live at once), else the largest micro-batch's alone,
+    within the same room as the kept graphs. A rank's own choice: the numbers and the
+    collectives are the same either way."""
+    shape = model_shape(chunks[0], groups)
+    if not shape.fused or not microbatches:
+        return False
+    shape = dataclasses.replace(shape, kept_logits=True)
+    if not kept_graphs:
+        microbatches = [max(microbatches, key=lambda mb: int(mb["tokens"].numel()))]
     return kept_graph_bytes(shape, microbatches, groups.device) <= room_for_graphs(groups.device)
 
 

@@ -19,8 +19,9 @@ from .bodies import FAMILIES, desc_of
 from .packing_bodies import BUDGET, _my_share, advantages_for, make_samples
 
 
-def _step(groups, ddp, family, objective, mode, keep, prepass_fuse=1):
-    """One step's metrics, the path it took and every parameter's accumulated gradient."""
+def _step(groups, ddp, family, objective, mode, keep, prepass_fuse=1, keep_logits="never"):
+    """One step's metrics, the path it took (where e_B came from, whether the fused kernel kept
+    its logits) and every parameter's accumulated gradient."""
     samples = make_samples(family)
     mine, adv = _my_share(samples, advantages_for(objective, samples), groups)
     if mode == "packed":  # 2 to 5 micro-batches per rank, several sequences in some
@@ -31,14 +32,14 @@ def _step(groups, ddp, family, objective, mode, keep, prepass_fuse=1):
     loss_cfg = LossConfig(objective=objective, prepass_fuse=prepass_fuse)
     step = PolicyUpdate(
         build_objective(objective), groups, FAMILIES[family]["vocab_size"], loss_cfg,
-        keep_graphs=keep,
+        keep_graphs=keep, keep_logits=keep_logits,
     )  # fmt: skip
     paths = []
     plan = step.plan
 
     def recorded(*a, **k):
         p = plan(*a, **k)
-        paths.append(p.ess_from)
+        paths.append((p.ess_from, p.keep_logits))
         return p
 
     step.plan = recorded
@@ -58,8 +59,10 @@ def kept_vs_prepass(groups, family, init, mode="packed", objective="p3o", fused=
                          BuildOptions(seq_length=BUDGET, fused_logprob=fused))  # fmt: skip
     load_model_state(chunks, init)
     ddp = wrap_ddp(chunks, groups, OptimConfig())
-    m0, path0, g0, n = _step(groups, ddp, family, objective, mode, "never", fuse)
-    m1, path1, g1, _ = _step(groups, ddp, family, objective, mode, "always", fuse)
+    m0, (path0, kept0), g0, n = _step(groups, ddp, family, objective, mode, "never", fuse)
+    # the kept step also keeps the fused kernel's logits (batch.keep_logits: auto, room here)
+    m1, (path1, kept1), g1, _ = _step(groups, ddp, family, objective, mode, "always", fuse,
+                                      keep_logits="auto")  # fmt: skip
     prepass = (m0.pop("ess_prepass", None), m1.pop("ess_prepass", None))
     diffs = {k: (m0[k], m1.get(k)) for k in m0 if m0[k] != m1.get(k)}
     diffs.update({k: (None, m1[k]) for k in m1 if k not in m0})
@@ -70,7 +73,7 @@ def kept_vs_prepass(groups, family, init, mode="packed", objective="p3o", fused=
     scale = max(float(a.abs().max()) for a in g0)
     return {"paths": (path0, path1), "micro": n, "same_grads": same, "worst": worst / scale,
             "diffs": diffs, "rel": rel, "ess": m1.get("ess"), "loss": m1.get("loss"),
-            "prepass": prepass}  # fmt: skip
+            "prepass": prepass, "kept_logits": (kept0, kept1)}  # fmt: skip
 
 
 def auto_with_one_rank_short(groups, family, init):
@@ -83,8 +86,8 @@ def auto_with_one_rank_short(groups, family, init):
     out = {}
     try:
         step_memory.room_for_graphs = lambda dev: 0.0 if groups.rank == 1 else room(dev)
-        _, out["short"], _, _ = _step(groups, ddp, family, "p3o", "packed", "auto")
+        _, (out["short"], _), _, _ = _step(groups, ddp, family, "p3o", "packed", "auto")
     finally:
         step_memory.room_for_graphs = room
-    _, out["room"], _, _ = _step(groups, ddp, family, "p3o", "packed", "auto")
+    _, (out["room"], _), _, _ = _step(groups, ddp, family, "p3o", "packed", "auto")
     return out

@@ -2,7 +2,8 @@
 forwards run first with their graphs kept and give e_B; the loss, e_B, every metric and every
 gradient equal the ESS pre-pass path's bit for bit on the same micro-batches, at DP = 2, CP = 2
 and TP = 2, fused and unfused, packed and padded; PP = 2 keeps the pre-pass; ``auto`` agrees on
-every rank when one of them has no room."""
+every rank when one of them has no room. The kept step also keeps the fused kernel's logits
+(``batch.keep_logits: auto``) against the pre-pass step's recomputed ones."""
 
 import pytest
 
@@ -28,6 +29,8 @@ def test_kept_graphs_equal_the_prepass_bitwise(pools, init_ckpts, layout, mode, 
     res = _run(pools, layout, init_ckpts("llama"), mode=mode, fused=fused)
     for r in res:
         assert r["paths"] == ("prepass", "kept_graphs"), r["paths"]
+        # the fused kernel kept its logits on the kept path (they fit): still bit for bit
+        assert r["kept_logits"] == (False, fused), r["kept_logits"]
         assert r["prepass"] == (1.0, 0.0)  # the step's metric says which path ran
         assert r["micro"] >= 2, r
         assert r["same_grads"], f"gradients differ (max rel {r['worst']:.2e})"

@@ -45,12 +45,13 @@ def rel(a, b) -> float:
     return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def fused(h, w, t, wts, temperature, chunk, extra=(), entropy=True, lse=True):
+def fused(h, w, t, wts, temperature, chunk, extra=(), entropy=True, lse=True, keep=False):
     leaves = [x.clone().requires_grad_() for x in (h, w, *[a for pair in extra for a in pair])]
     pairs = [(leaves[2 + 2 * i], leaves[3 + 2 * i]) for i in range(len(extra))]
     out = fused_vocab_parallel_logprobs(
-        leaves[0], leaves[1], t, None, temperature, chunk, entropy, VOCAB, lse, extra=pairs
-    )
+        leaves[0], leaves[1], t, None, temperature, chunk, entropy, VOCAB, lse, extra=pairs,
+        keep_logits=keep,
+    )  # fmt: skip
     loss = (out[0] * wts[0]).sum()
     if entropy:
         loss = loss + (out[1] * wts[1]).sum()
@@ -60,12 +61,13 @@ def fused(h, w, t, wts, temperature, chunk, extra=(), entropy=True, lse=True):
     return [o.detach() if o is not None else None for o in out], [x.grad for x in leaves]
 
 
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("chunk", [None, 5, 64])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_equals_float64_reference(temperature, chunk):
+def test_equals_float64_reference(temperature, chunk, keep):
     h, w, t, wts = inputs()
     lp_r, ent_r, lse_r, (gh_r, gw_r) = reference(h, w, t, wts, temperature)
-    (lp, ent, lse), (gh, gw) = fused(h, w, t, wts, temperature, chunk)
+    (lp, ent, lse), (gh, gw) = fused(h, w, t, wts, temperature, chunk, keep=keep)
     errs = [rel(lp, lp_r), rel(ent, ent_r), rel(lse, lse_r), rel(gh, gh_r), rel(gw, gw_r)]
     assert max(errs) < REL, errs
     assert (gw[VOCAB:] == 0).all(), "padded vocabulary rows got gradient"
@@ -109,6 +111,50 @@ def test_bitwise_run_to_run_and_chunk_rounding():
     c = fused(h, w, t, wts, 0.7, 5)
     for x, y in zip(a[0] + a[1], c[0] + c[1]):
         assert rel(x, y) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,extra,chunk", [(torch.float32, False, 16),
+                                               (torch.float32, True, 5),
+                                               (torch.bfloat16, False, 5)])  # fmt: skip
+def test_kept_logits_give_the_recomputed_backward_bit_for_bit(dtype, extra, chunk):
+    """``keep_logits``: the backward starts from the forward's own chunk logits instead of a
+    matmul again: the same values and gradients bit for bit (run against run; chunks of 5 rows
+    of 300 put them at unaligned offsets of the kept buffer)."""
+    h, w, t, wts = inputs(dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    pairs = [(torch.randn(B, S, 8, generator=g).to(dtype), torch.randn(VPAD, 8, generator=g).to(
+        dtype))] if extra else []  # fmt: skip
+    a = fused(h, w, t, wts, 0.7, chunk, extra=pairs, keep=False)
+    for _ in range(2):  # the second forward reuses the memory the first backward handed back
+        b = fused(h, w, t, wts, 0.7, chunk, extra=pairs, keep=True)
+        for x, y in zip(a[0] + a[1], b[0] + b[1]):
+            assert torch.equal(x, y)
+
+
+def test_kept_logits_memory_is_reused_and_a_retained_graph_recomputes():
+    from megatron_p3o.logprob import fused as fused_mod
+
+    h, w, t, wts = inputs()
+    pool = fused_mod._KEPT
+    pool.free.clear()
+    pool.give(torch.empty(7))  # too small for the next forward, kept anyway
+    fused(h, w, t, wts, 1.0, 16, keep=True)
+    assert [b.numel() for b in pool.free] == [B * S * VOCAB, 7]
+    pool.free.pop()
+    assert fused_mod.kept_logits_pooled_bytes() == B * S * VOCAB * 4  # handed back
+    with torch.no_grad():  # no gradient: nothing kept, nothing taken
+        fused_vocab_parallel_logprobs(h, w, t, vocab_size=VOCAB, keep_logits=True)
+    assert len(pool.free) == 1
+    # a retained graph's second backward no longer has the logits: it recomputes them
+    hh = h.clone().requires_grad_()
+    lp, _ = fused_vocab_parallel_logprobs(hh, w, t, vocab_size=VOCAB, keep_logits=True)
+    assert not pool.free  # in use until the backward
+    (lp * wts[0]).sum().backward(retain_graph=True)
+    first = hh.grad.clone()
+    pool.free[0].fill_(float("nan"))  # the memory is another forward's now
+    hh.grad = None
+    (lp * wts[0]).sum().backward()
+    assert torch.equal(hh.grad, first)
 
 
 def test_bf16_weights_accumulate_in_fp32():
