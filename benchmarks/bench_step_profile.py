@@ -43,6 +43,7 @@ bound).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -226,6 +227,11 @@ def memory_worker(a) -> None:
 
     from megatron_p3o.update import step_memory
 
+    try:  # the fused kernel's pool of kept-logits memory (an older checkout has none)
+        from megatron_p3o.logprob.fused import _KEPT
+    except ImportError:
+        _KEPT = None
+
     with tempfile.TemporaryDirectory(prefix="step-memory-") as tmp:
         trainer = build_trainer(Path(a.base), Path(tmp), 6, a.budget, "always", a.set)
         try:
@@ -243,9 +249,16 @@ def memory_worker(a) -> None:
 
             def allocations(chunks, mbs, *rest, **k):
                 shape = step_memory.model_shape(chunks[0], trainer.groups)
+                if getattr(trainer.update, "keep_logits", "never") == "auto":  # as the plan does
+                    vocab, groups = trainer.update.vocab_size, trainer.groups
+                    if step_memory.logits_fit(chunks, mbs, groups, True, vocab):
+                        cols = step_memory.kept_logit_columns(shape, groups, vocab)
+                        shape = dataclasses.replace(shape, kept_logits=cols)
                 seen["estimate"] = step_memory.kept_graph_bytes(shape, mbs, trainer.groups.device)
                 seen["micro"] = len(mbs)
                 seen["tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
+                if _KEPT is not None:  # kept logits allocated inside the measured step
+                    _KEPT.free.clear()
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              record_shapes=True, with_stack=True) as prof:  # fmt: skip
                     out = run(chunks, mbs, *rest, **k)

@@ -418,7 +418,7 @@ class PolicyUpdate:
         keep_logits = (
             self.keep_logits == "auto" and chunks is not None
             and step_memory.logits_fit(chunks, microbatches, self.groups,
-                                       ess_from == "kept_graphs")
+                                       ess_from == "kept_graphs", self.vocab_size)
         )  # fmt: skip
         return StepPlan(
             n_tok=n_tok,

@@ -72,7 +72,7 @@ class GraphShape:
     gated: bool = True
     local_window: Optional[int] = 128
     fused: bool = True
-    kept_logits: bool = False  # the fused kernel keeps its chunks' logits (``batch.keep_logits``)
+    kept_logits: int = 0  # columns of logits the fused kernel keeps (``batch.keep_logits``)
     sequence_parallel_tp: int = 1  # TP under sequence parallelism (hidden-sized tensors ÷ it)
 
     @classmethod
@@ -121,8 +121,8 @@ class GraphShape:
         layer = 2 * norm_linear + attn + proj + mlp
         ends = 8 + 2 * h * e + FLOAT32 + rope  # token ids (embedding), the final norm, RoPE
         loss = self.hidden * e + 21 if self.fused else self.vocab_rows * FLOAT32
-        if self.fused and self.kept_logits:
-            loss += self.vocab_rows * FLOAT32
+        if self.fused:
+            loss += self.kept_logits * FLOAT32
         return self.layers * layer + ends + loss
 
     def mask_bytes(self, window_tokens: Iterable[int]) -> float:
@@ -201,7 +201,14 @@ def graphs_fit(chunks, microbatches, groups) -> bool:
     return kept_graph_bytes(shape, microbatches, groups.device) <= room_for_graphs(groups.device)
 
 
-def logits_fit(chunks, microbatches, groups, kept_graphs: bool) -> bool:
+def kept_logit_columns(shape: GraphShape, groups, vocab_size: int) -> int:
+    """The fp32 logits per token the fused kernel keeps on this rank: its vocabulary shard's
+    real (unpadded) rows."""
+    rank = groups.tp_rank if groups.layout.tp > 1 else 0
+    return max(0, min(shape.vocab_rows, vocab_size - rank * shape.vocab_rows))
+
+
+def logits_fit(chunks, microbatches, groups, kept_graphs: bool, vocab_size: int) -> bool:
     """Whether the fused log-prob kernel may keep its chunks' logits for the backward
     (``batch.keep_logits: auto``): this rank's graphs with every micro-batch's logits kept
     (``kept_graphs``: the step's graphs live at once), else the largest micro-batch's alone,
@@ -210,7 +217,7 @@ def logits_fit(chunks, microbatches, groups, kept_graphs: bool) -> bool:
     shape = model_shape(chunks[0], groups)
     if not shape.fused or not microbatches:
         return False
-    shape = dataclasses.replace(shape, kept_logits=True)
+    shape = dataclasses.replace(shape, kept_logits=kept_logit_columns(shape, groups, vocab_size))
     if not kept_graphs:
         microbatches = [max(microbatches, key=lambda mb: int(mb["tokens"].numel()))]
     return kept_graph_bytes(shape, microbatches, groups.device) <= room_for_graphs(groups.device)
