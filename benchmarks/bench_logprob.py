@@ -250,7 +250,7 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     ones = torch.ones(tokens)
     slime = load_slime(slime_repo) if variant == "slime" else None
     # where the step fits the trainer keeps the fused kernel's logits for the backward
-    # (batch.keep_logits: auto, step_memory.logits_fit): this T × V/tp fp32 within the room
+    # (batch.keep_logits: auto, step_memory.StepNeed.logits_fit): this T × V/tp fp32 within the room
     kept_bytes = tokens * v * 4
     keep_logits = variant.endswith("_kept") and kept_bytes <= room_for_graphs(torch.device("cpu"))
 

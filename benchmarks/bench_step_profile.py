@@ -251,7 +251,7 @@ def memory_worker(a) -> None:
                 shape = step_memory.model_shape(chunks[0], trainer.groups)
                 if getattr(trainer.update, "keep_logits", "never") == "auto":  # as the plan does
                     vocab, groups = trainer.update.vocab_size, trainer.groups
-                    if step_memory.logits_fit(chunks, mbs, groups, True, vocab):
+                    if step_memory.step_need(chunks, mbs, groups, vocab).logits_fit(True):
                         cols = step_memory.kept_logit_columns(shape, groups, vocab)
                         shape = dataclasses.replace(shape, kept_logits=cols)
                 seen["estimate"] = step_memory.kept_graph_bytes(shape, mbs, trainer.groups.device)

@@ -314,7 +314,7 @@ def fused_vocab_parallel_logprobs(
         keep_logits: keep each chunk's logits for the backward (``T × V/tp`` fp32 held between
             the passes) instead of recomputing them there: one output-layer matmul fewer, the
             same numbers bit for bit; for where they fit (the trainer decides from its memory
-            plan, :func:`~megatron_p3o.update.step_memory.logits_fit`). Moot without a
+            plan, :meth:`~megatron_p3o.update.step_memory.StepNeed.logits_fit`). Moot without a
             gradient.
 
     Returns:

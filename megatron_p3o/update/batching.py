@@ -59,7 +59,7 @@ class BatchConfig:
     keep_logits: the fused log-prob kernel (``model.fused_logprob``) keeps each chunk's logits
         for its backward instead of recomputing them (one output-layer matmul fewer per
         micro-batch, the same numbers): "auto" where they fit beside the step's graphs in the
-        same room as ``keep_graphs`` (:func:`~megatron_p3o.update.step_memory.logits_fit`),
+        same room as ``keep_graphs`` (:meth:`~megatron_p3o.update.step_memory.StepNeed.logits_fit`),
         "never" (the recompute: nothing of size T × V/tp between the passes).
     """
 

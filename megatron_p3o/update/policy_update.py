@@ -401,9 +401,11 @@ class PolicyUpdate:
         layout = self.groups.layout
         step_scope = self.cfg.ess_scope == "step"
         keep = self._keep_mode(chunks) if step_scope and self.objective.needs_ess else None
-        misfit = None
+        misfit = need = None
+        if chunks is not None and (keep == "auto" or self.keep_logits == "auto"):
+            need = step_memory.step_need(chunks, microbatches, self.groups, self.vocab_size)
         if keep == "auto":
-            misfit = 0.0 if step_memory.graphs_fit(chunks, microbatches, self.groups) else 1.0
+            misfit = 0.0 if need.graphs_fit else 1.0
         n_tok, n_seq, n_micro, misfits = self._global_counts(microbatches, misfit)
         one_per_rank = step_scope and n_micro == (layout.dp or 1) and not layout.pp_enabled
         if not self.objective.needs_ess:
@@ -415,11 +417,8 @@ class PolicyUpdate:
         else:
             ess_from = "kept_graphs" if keep is not None and not misfits else "prepass"
         entropy_done = ess_from == "prepass" and self.cfg.log_entropy
-        keep_logits = (
-            self.keep_logits == "auto" and chunks is not None
-            and step_memory.logits_fit(chunks, microbatches, self.groups,
-                                       ess_from == "kept_graphs", self.vocab_size)
-        )  # fmt: skip
+        keep_logits = (self.keep_logits == "auto" and need is not None
+                       and need.logits_fit(ess_from == "kept_graphs"))  # fmt: skip
         return StepPlan(
             n_tok=n_tok,
             n_seq=n_seq,

@@ -37,7 +37,6 @@ this sum plus the backward's transient of one micro-batch, a few per cent on the
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
@@ -152,9 +151,11 @@ def pack_windows(cu_seqlens: Sequence[int], window: int) -> List[int]:
     return [hi - lo for lo, hi, n in window_bounds(cu_seqlens, window) if n > 1]
 
 
-def kept_graph_bytes(shape: GraphShape, microbatches, device: torch.device) -> float:
+def kept_graph_bytes(shape: GraphShape, microbatches, device: torch.device,
+                     transient: bool = True) -> float:  # fmt: skip
     """Peak bytes of a kept-graph step over ``microbatches`` (this rank's, host tensors): every
-    micro-batch's graph at once, plus the loss side's transient of the largest."""
+    micro-batch's graph at once, plus the loss side's transient of the largest (unless
+    ``transient`` is False)."""
     total, largest = 0.0, 0
     for mb in microbatches:
         tokens = int(mb["tokens"].numel())
@@ -163,7 +164,7 @@ def kept_graph_bytes(shape: GraphShape, microbatches, device: torch.device) -> f
             windows = pack_windows(mb["cu_seqlens"].tolist(), shape.local_window)  # host
         total += tokens * shape.per_token("cu_seqlens" in mb) + shape.mask_bytes(windows)
         largest = max(largest, tokens)
-    return total + shape.transient(largest, device)
+    return total + (shape.transient(largest, device) if transient else 0.0)
 
 
 def room_for_graphs(device: torch.device) -> float:
@@ -195,12 +196,6 @@ def model_shape(model, groups) -> GraphShape:
     return GraphShape.of_model(inner, groups, window)
 
 
-def graphs_fit(chunks, microbatches, groups) -> bool:
-    """Whether this rank's kept graphs of ``microbatches`` fit (``batch.keep_graphs: auto``)."""
-    shape = model_shape(chunks[0], groups)
-    return kept_graph_bytes(shape, microbatches, groups.device) <= room_for_graphs(groups.device)
-
-
 def kept_logit_columns(shape: GraphShape, groups, vocab_size: int) -> int:
     """The fp32 logits per token the fused kernel keeps on this rank: its vocabulary shard's
     real (unpadded) rows."""
@@ -208,19 +203,47 @@ def kept_logit_columns(shape: GraphShape, groups, vocab_size: int) -> int:
     return max(0, min(shape.vocab_rows, vocab_size - rank * shape.vocab_rows))
 
 
-def logits_fit(chunks, microbatches, groups, kept_graphs: bool, vocab_size: int) -> bool:
-    """Whether the fused log-prob kernel may keep its chunks' logits for the backward
-    (``batch.keep_logits: auto``): this rank's graphs with every micro-batch's logits kept
-    (``kept_graphs``: the step's graphs live at once), else the largest micro-batch's alone,
-    within the same room as the kept graphs. A rank's own choice: the numbers and the
-    collectives are the same either way."""
+@dataclass(frozen=True)
+class StepNeed:
+    """This rank's memory for one step's choices (bytes), computed once per step: ``graphs``
+    every micro-batch's graph at once (the kept-graph path), ``largest`` the largest
+    micro-batch's graph alone (the other paths), ``logits`` / ``largest_logits`` the fused
+    kernel's kept logits of all of them / of the largest (0 unfused), and the ``room``."""
+
+    graphs: float
+    largest: float
+    logits: float
+    largest_logits: float
+    room: float
+
+    @property
+    def graphs_fit(self) -> bool:
+        """``batch.keep_graphs: auto``: the step's graphs fit."""
+        return self.graphs <= self.room
+
+    def logits_fit(self, kept_graphs: bool) -> bool:
+        """``batch.keep_logits: auto``: the fused kernel's logits fit beside the graphs of the
+        path the step takes. A rank's own choice: the numbers and collectives are the same."""
+        if not self.logits:
+            return False
+        if kept_graphs:
+            return self.graphs + self.logits <= self.room
+        return self.largest + self.largest_logits <= self.room
+
+
+def step_need(chunks, microbatches, groups, vocab_size: int) -> StepNeed:
+    """:class:`StepNeed` of this rank's ``microbatches`` (host tensors) for the model chunk."""
     shape = model_shape(chunks[0], groups)
-    if not shape.fused or not microbatches:
-        return False
-    shape = dataclasses.replace(shape, kept_logits=kept_logit_columns(shape, groups, vocab_size))
-    if not kept_graphs:
-        microbatches = [max(microbatches, key=lambda mb: int(mb["tokens"].numel()))]
-    return kept_graph_bytes(shape, microbatches, groups.device) <= room_for_graphs(groups.device)
+    cols = kept_logit_columns(shape, groups, vocab_size) if shape.fused else 0
+    graphs, tokens, biggest = 0.0, 0, (0, 0.0)
+    for mb in microbatches:
+        n = int(mb["tokens"].numel())
+        one = kept_graph_bytes(shape, [mb], groups.device, transient=False)
+        graphs, tokens = graphs + one, tokens + n
+        biggest = max(biggest, (n, one))
+    transient = shape.transient(biggest[0], groups.device)
+    return StepNeed(graphs + transient, biggest[1] + transient, FLOAT32 * cols * tokens,
+                    FLOAT32 * cols * biggest[0], room_for_graphs(groups.device))  # fmt: skip
 
 
 def profiled_tensor_peak(prof) -> int:

@@ -77,7 +77,7 @@ def kept_memory(groups, kv_heads: int, vocab: int, packed: bool, keep_logits: st
     shape = step_memory.model_shape(ddp[0], groups)
     kept = 0
     if keep_logits == "auto":
-        assert step_memory.logits_fit(ddp, mbs, groups, True, vocab)
+        assert step_memory.step_need(ddp, mbs, groups, vocab).logits_fit(True)
         cols = step_memory.kept_logit_columns(shape, groups, vocab)
         shape = dataclasses.replace(shape, kept_logits=cols)
         kept = 4 * cols * sum(int(mb["tokens"].numel()) for mb in mbs)
