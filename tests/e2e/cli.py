@@ -6,7 +6,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+# a test that started a world in the pytest process leaves torch.distributed's variables (and
+# its store listening on MASTER_PORT): a CLI subprocess must pick its own
+_WORLD = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+ENV = {k: v for k, v in os.environ.items() if k not in _WORLD}
+ENV.update(PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
 
 
 def torchrun(nproc: int) -> list:
