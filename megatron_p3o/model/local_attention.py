@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -91,59 +91,32 @@ def window_bounds(cu: Sequence[int], window: int) -> List[Tuple[int, int, int]]:
     return out
 
 
-class _Group(NamedTuple):
-    """``count`` windows of ``width`` tokens in one SDPA call; ``mask`` their block-diagonal
-    causal additive masks ``[count, 1, w, w]``, None for one-sequence windows (plain causal)."""
-
-    width: int
-    count: int
-    mask: Optional[Tensor]
-
-
-class _WindowPlan(NamedTuple):
-    """The packed layout's windows grouped by (width, several sequences); ``perm`` puts each
-    group's tokens together (None: the groups are the windows in order), ``inv`` undoes it."""
-
-    groups: Tuple[_Group, ...]
-    perm: Optional[Tensor]
-    inv: Optional[Tensor]
-
-
 @functools.lru_cache(maxsize=16)
-def _window_plan(cu: tuple, device: torch.device, window: int, dtype=torch.float32) -> _WindowPlan:
-    """The SDPA calls of the packed layout ``cu`` (:func:`window_bounds`): windows of the same
-    width and kind share one batched call — the flash kernel runs each batch entry on its own,
-    so every window's numbers are those of a call of its own, bit for bit — with masks of 0
-    where a query may attend and −inf elsewhere (what SDPA turns a boolean mask into). Every
-    layer and both passes of a micro-batch share one layout, and SDPA's backward keeps a
-    reference to the mask, not a copy: cached."""
-    wins = window_bounds(cu, window)
-    members: Dict[Tuple[int, bool], List[int]] = {}
-    for i, (lo, hi, n) in enumerate(wins):
-        members.setdefault((hi - lo, n > 1), []).append(i)
+def _window_plan(cu: tuple, device: torch.device, window: int, dtype=torch.float32) -> tuple:
+    """``(lo, hi, mask)`` per window of the packed layout ``cu`` (:func:`window_bounds`);
+    ``mask`` is the window's block-diagonal causal ``[w, w]`` additive mask in ``dtype`` (0
+    where a query may attend, −inf elsewhere: what SDPA turns a boolean mask into, so the kernel
+    sees the same input), None for a one-sequence window (plain causal). Every layer and both
+    passes of a micro-batch share one layout, and SDPA's backward keeps a reference to the mask,
+    not a copy: cached.
+
+    Windows of one width could share a batched SDPA call bit for bit (the flash kernel runs each
+    batch entry alone), but on CPU the backward's cost grows with the windows either way and the
+    gathers cost what the forward saves (measured on the tiny recipe at 4,096 tokens): one call
+    per window."""
     seg = np.repeat(np.arange(len(cu) - 1), np.diff(cu))  # each token's sequence (host)
-    groups = []
-    for (w, several), idx in members.items():
+    plan = []
+    for lo, hi, n in window_bounds(cu, window):
         mask = None
-        if several:  # built on the host (numpy: microseconds, not a dozen torch calls)
-            add = np.empty((len(idx), 1, w, w), dtype=np.float32)
-            tri = np.tri(w, dtype=bool)
-            for j, i in enumerate(idx):
-                sg = seg[wins[i][0] : wins[i][1]]
-                allowed = (sg[:, None] == sg[None, :]) & tri
-                add[j, 0] = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
+        if n > 1:  # built on the host (numpy: microseconds, not a dozen torch calls)
+            sg = seg[lo:hi]
+            allowed = (sg[:, None] == sg[None, :]) & np.tri(hi - lo, dtype=bool)
+            add = torch.from_numpy(np.where(allowed, np.float32(0.0), np.float32(-np.inf)))
             # a copy in torch's own (64-byte aligned) memory: SDPA reads a numpy-aligned mask
             # ~5% slower
-            mask = torch.from_numpy(add).to(device=device, dtype=dtype, copy=True)
-        groups.append(_Group(w, len(idx), mask))
-    order = [i for idx in members.values() for i in idx]
-    if order == list(range(len(wins))):
-        return _WindowPlan(tuple(groups), None, None)
-    perm = np.concatenate([np.arange(wins[i][0], wins[i][1]) for i in order])
-    inv = np.empty_like(perm)
-    inv[perm] = np.arange(len(perm))
-    as_index = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return _WindowPlan(tuple(groups), as_index(perm), as_index(inv))
+            mask = add.to(device=device, dtype=dtype, copy=True)
+        plan.append((lo, hi, mask))
+    return tuple(plan)
 
 
 class LocalCoreAttention(MegatronModule):
@@ -242,15 +215,13 @@ class LocalCoreAttention(MegatronModule):
         return torch.cat(outs).reshape(t, nh * d)
 
     def _packed_windows(self, query: Tensor, key: Tensor, value: Tensor, cu) -> Tensor:
-        """No CP: one SDPA per group of windows of consecutive sequences (block-diagonal causal
-        masks; windows of one width batched, :func:`_window_plan`). ``[t, n, d]`` →
-        ``[t, n·d]``; ``cu`` the host list of sequence boundaries.
+        """No CP: one SDPA per window of consecutive sequences, block-diagonal causal mask.
+        ``[t, n, d]`` → ``[t, n·d]``; ``cu`` the host list of sequence boundaries.
 
         What :func:`_attend` does per window is done once for the whole micro-batch — the
-        float32 view, GQA's repeat of K and V — and the windows are ``split`` views of the
-        tokens, gathered group by group where the groups are not the windows in order (an
-        ``index_select``: exact both ways): the same SDPA inputs, the same numbers, bit for
-        bit."""
+        float32 view, GQA's repeat of K and V — and the windows are ``split`` views (one
+        gradient ``cat`` in the backward, not a zero-filled full-size tensor per slice): the
+        same SDPA inputs, the same numbers, bit for bit."""
         t, nh, d = query.shape
         if cu[0] != 0 or cu[-1] != t:
             raise ValueError(f"cu_seqlens {cu} cover {cu[-1] - cu[0]} of this rank's {t} tokens")
@@ -259,21 +230,15 @@ class LocalCoreAttention(MegatronModule):
         if rep > 1:
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         plan = _window_plan(tuple(cu), query.device, PACK_WINDOW, dt)
-        sizes = [g.width * g.count for g in plan.groups]
-        qkv = [x.to(dt) for x in (query, key, value)]
-        if plan.perm is not None:
-            qkv = [x.index_select(0, plan.perm) for x in qkv]
+        sizes = [hi - lo for lo, hi, _ in plan]
+        qs, ks, vs = (x.to(dt).split(sizes) for x in (query, key, value))
         outs = []
-        for g, q, k, v in zip(plan.groups, *(x.split(sizes) for x in qkv)):
-            # [count·w, n, d] → [count, n, w, d]
-            q, k, v = (x.view(g.count, g.width, nh, d).permute(0, 2, 1, 3) for x in (q, k, v))
+        for (_, _, mask), q, k, v in zip(plan, qs, ks, vs):
+            q, k, v = (x.permute(1, 0, 2)[None] for x in (q, k, v))  # [1, n, w, d]
             scale = self.softmax_scale
-            if g.mask is None:
+            if mask is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
-            outs.append(o.permute(0, 2, 1, 3).reshape(g.count * g.width, nh, d).to(query.dtype))
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        if plan.perm is not None:
-            out = out.index_select(0, plan.inv)
-        return out.reshape(t, nh * d)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            outs.append(o[0].permute(1, 0, 2).to(query.dtype))
+        return (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(t, nh * d)

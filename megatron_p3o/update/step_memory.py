@@ -24,8 +24,7 @@ g key/value heads, f the MLP width, TP-sharded where Megatron shards them), as m
 
 Once per micro-batch on the local spec, for windows of several packed sequences: the float
 block-diagonal mask (w² fp32 per w-token window), which every layer's SDPA keeps a reference to
-(:func:`~megatron_p3o.model.local_attention._window_plan` builds it once per layout; windows
-of one width share a batched call, their masks stacked: the same bytes).
+(:func:`~megatron_p3o.model.local_attention._window_plan` builds it once per layout).
 
 Per token outside the layers: the final norm (2h + 1) and the loss side: the fused output layer
 keeps its input (h) and five per-token values (target, shard flag, max, log-sum, entropy: 21

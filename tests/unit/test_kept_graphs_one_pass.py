@@ -139,11 +139,12 @@ def test_pack_windows_are_the_local_attention_windows():
         lens = torch.randint(1, 90, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
         cu = [0] + torch.cumsum(lens, 0).tolist()
         plan = _window_plan(tuple(cu), torch.device("cpu"), PACK_WINDOW)
-        masked = sorted(g.width for g in plan.groups if g.mask is not None for _ in range(g.count))
-        assert sorted(pack_windows(cu, PACK_WINDOW)) == masked
+        want = [hi - lo for lo, hi, mask in plan if mask is not None]
+        assert pack_windows(cu, PACK_WINDOW) == want
         # every token in exactly one window, none over the window unless alone
-        assert sum(g.width * g.count for g in plan.groups) == cu[-1]
-        assert all(g.width <= PACK_WINDOW for g in plan.groups if g.mask is not None)
+        assert plan[0][0] == 0 and plan[-1][1] == cu[-1]
+        assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+        assert all(hi - lo <= PACK_WINDOW for lo, hi, m in plan if m is not None)
 
 
 def kept_pass_syncs(groups):
