@@ -34,7 +34,7 @@ from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, meta_dict, read_met
 from megatron_p3o.observability.metrics import PhaseTimer, combine_optimizer_steps, staleness
 from megatron_p3o.observability.run_log import RunLog
 from megatron_p3o.observability.turn_metrics import TURN_MEANS, turn_metrics
-from megatron_p3o.reward import build_reward, score_samples
+from megatron_p3o.reward import build_reward, decode_completions, score_samples
 from megatron_p3o.reward.overlong import dapo_overlong_reward
 from megatron_p3o.rollout.backend import build_backend
 from megatron_p3o.rollout.config import RolloutShard
@@ -275,7 +275,7 @@ class Trainer:
         if self.turns is not None:  # multi-turn: the environment's rewards, summed over turns
             rewards = [float(s.reward) for s in samples]
         else:
-            texts = [self.decode(s.completion_ids) for s in samples]
+            texts = decode_completions(self.decode, [s.completion_ids for s in samples])
             rewards = score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
         ol = self.cfg.reward.overlong
         if ol is not None:  # DAPO's soft over-long penalty, added to the task reward
@@ -460,7 +460,7 @@ class Trainer:
         if items is not None:
             rewards = [float(s.reward) for s in samples]
         else:  # the training path's checks too (a failing or non-finite reward names the prompt)
-            texts = [self.decode(s.completion_ids) for s in samples]
+            texts = decode_completions(self.decode, [s.completion_ids for s in samples])
             rewards = score_samples(self.reward_fn, texts, [rows[i][1] for i in mine], mine)
         for i, r in zip(mine, rewards):
             score[i] = r

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Literal, Tuple
+from typing import Any, ClassVar, Dict, List, Literal, Sequence, Tuple
 
 import torch
 
@@ -137,6 +137,15 @@ class PromptData:
     def encode(self, text: str) -> List[int]:
         return encode_prompt(self.tok, text, self.chat, self.add_bos)
 
+    def encode_all(self, texts: Sequence[str]) -> List[List[int]]:
+        """:meth:`encode` of each text; plain texts in one tokenizer call (a batch encodes each
+        text as a call of its own would: the same ids)."""
+        if self.chat or not texts:
+            return [self.encode(t) for t in texts]
+        tok = self.tok
+        bos = [tok.bos_token_id] if self.add_bos and tok.bos_token_id is not None else []
+        return [bos + list(ids) for ids in tok(list(texts), add_special_tokens=False)["input_ids"]]
+
     def _shard_len(self) -> int:
         n = len(self._order)
         return (n - self.dp_rank + self.dp_size - 1) // self.dp_size
@@ -161,10 +170,8 @@ class PromptData:
                 self._order = self._permutation(self.epoch)
             rows.append(self._order[self.pos * self.dp_size + self.dp_rank])
             self.pos += 1
-        return [self.item(i) for i in rows]
-
-    def item(self, index: int) -> PromptItem:
-        return PromptItem(index, self.encode(self.prompts[index]), self.answers[index])
+        ids = self.encode_all([self.prompts[i] for i in rows])
+        return [PromptItem(i, p, self.answers[i]) for i, p in zip(rows, ids)]
 
     def state_dict(self) -> Dict[str, int]:
         """``pos`` counts this rank's prompts taken in ``epoch``; ``dp`` records the shard count."""
@@ -304,7 +311,7 @@ def all_rows(
         shuffle=False,
         add_bos=add_bos,
     )
-    return [(d.encode(p), a) for p, a in zip(d.prompts, d.answers)]
+    return list(zip(d.encode_all(d.prompts), d.answers))
 
 
 def prompt_texts(path: str, prompt_key: str = "prompt") -> List[str]:

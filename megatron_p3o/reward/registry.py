@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Literal, Optional, Sequence
+from typing import Callable, Dict, List, Literal, Optional, Sequence
 
 from megatron_p3o.reward.overlong import OverlongConfig
 from megatron_p3o.runtime.errors import UserError
@@ -61,6 +61,19 @@ def build_reward(kind: str, function: str = "") -> RewardFn:
     raise RewardError(
         f"reward.kind={kind!r}; choose math_verify, exact_match, reasoning_gym or python"
     )
+
+
+def decode_completions(decode: Callable[[List[int]], str], completions) -> List[str]:
+    """The text of each completion for the reward, each distinct one decoded once (the n samples
+    of a prompt often repeat on short answers): the same strings."""
+    seen: Dict[tuple, str] = {}
+    texts = []
+    for ids in completions:
+        key = tuple(ids)
+        if key not in seen:
+            seen[key] = decode(ids)
+        texts.append(seen[key])
+    return texts
 
 
 def score_samples(

@@ -32,6 +32,9 @@ class Tok:
     def encode(self, text, add_special_tokens=False):
         return [int(text)]
 
+    def __call__(self, texts, add_special_tokens=False):  # a batch, as transformers' tokenizers
+        return {"input_ids": [self.encode(t) for t in texts]}
+
 
 class RecordingEngine(RolloutEngine):
     def __init__(self, delay=0.0):
