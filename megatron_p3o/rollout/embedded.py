@@ -20,8 +20,10 @@ Sampling is batched with a KV cache; each token's log-prob is taken under exactl
 distribution it was drawn from (softmax(logits / T), truncated by top-k / top-p when enabled).
 As serving engines do, the n samples of a prompt share one prefill (its KV rows copied to each),
 and rows that finished leave the later forwards (in powers of two, so few shapes); neither
-changes a draw or a log-prob (each row's forward is its own, and the sampler draws for every
-row), tested against a plain loop over the whole batch.
+changes a draw (the sampler still draws for every row) or a row's forward (its own computation:
+bit for bit on this CPU, recipe runs compared; a GPU's GEMMs may round a row differently at
+another batch size, as any engine's batching does), tested against a plain loop over the whole
+batch.
 
 R2PO's residual rollout head (``rollout_head=True``): the engine samples from
 softmax((W_lm·h + W₂·ReLU(W₁·h)) / T), h the final normalized hidden state (a hook on
