@@ -235,7 +235,7 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     from megatron_p3o.loss.ess import ess_stats
     from megatron_p3o.model.output_layer import output_layer_input
     from megatron_p3o.runtime.parallel import Layout, initialize
-    from megatron_p3o.update.step_memory import room_for_graphs
+    from megatron_p3o.update.step_memory import StepNeed, room_for_graphs
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     groups = initialize(Layout(tp=tp))
@@ -250,9 +250,10 @@ def last_stage_worker(variant, tokens, vocab, hidden, reps, chunk, slime_repo) -
     ones = torch.ones(tokens)
     slime = load_slime(slime_repo) if variant == "slime" else None
     # where the step fits the trainer keeps the fused kernel's logits for the backward
-    # (batch.keep_logits: auto, step_memory.StepNeed.logits_fit): this T × V/tp fp32 within the room
-    kept_bytes = tokens * v * 4
-    keep_logits = variant.endswith("_kept") and kept_bytes <= room_for_graphs(torch.device("cpu"))
+    # (batch.keep_logits: auto): the plan's rule for this T × V/tp fp32 (no model: no graphs)
+    kept_bytes = 4.0 * tokens * v
+    need = StepNeed(0.0, 0.0, kept_bytes, kept_bytes, room_for_graphs(torch.device("cpu")))
+    keep_logits = variant.endswith("_kept") and need.logits_fit(True)
 
     def run(h, w):
         if variant.endswith("_nograd"):

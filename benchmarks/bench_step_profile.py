@@ -43,7 +43,6 @@ bound).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -248,13 +247,10 @@ def memory_worker(a) -> None:
                 return out
 
             def allocations(chunks, mbs, *rest, **k):
-                shape = step_memory.model_shape(chunks[0], trainer.groups)
-                if getattr(trainer.update, "keep_logits", "never") == "auto":  # as the plan does
-                    vocab, groups = trainer.update.vocab_size, trainer.groups
-                    if step_memory.step_need(chunks, mbs, groups, vocab).logits_fit(True):
-                        cols = step_memory.kept_logit_columns(shape, groups, vocab)
-                        shape = dataclasses.replace(shape, kept_logits=cols)
-                seen["estimate"] = step_memory.kept_graph_bytes(shape, mbs, trainer.groups.device)
+                need = step_memory.step_need(chunks, mbs, trainer.groups, trainer.update.vocab_size)
+                # the kept graphs and, as the plan decides, the fused kernel's kept logits
+                kept = trainer.update.keep_logits == "auto" and need.logits_fit(True)
+                seen["estimate"] = need.graphs + (need.logits if kept else 0.0)
                 seen["micro"] = len(mbs)
                 seen["tokens"] = sum(int(mb["tokens"].numel()) for mb in mbs)
                 if _KEPT is not None:  # kept logits allocated inside the measured step

@@ -70,7 +70,6 @@ class GraphShape:
     gated: bool = True
     local_window: Optional[int] = 128
     fused: bool = True
-    kept_logits: int = 0  # columns of logits the fused kernel keeps (``batch.keep_logits``)
     sequence_parallel_tp: int = 1  # TP under sequence parallelism (hidden-sized tensors ÷ it)
 
     @classmethod
@@ -119,8 +118,6 @@ class GraphShape:
         layer = 2 * norm_linear + attn + proj + mlp
         ends = 8 + 2 * h * e + FLOAT32 + rope  # token ids (embedding), the final norm, RoPE
         loss = self.hidden * e + 21 if self.fused else self.vocab_rows * FLOAT32
-        if self.fused:
-            loss += self.kept_logits * FLOAT32
         return self.layers * layer + ends + loss
 
     def mask_bytes(self, window_tokens: Iterable[int]) -> float:

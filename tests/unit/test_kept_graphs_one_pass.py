@@ -65,8 +65,6 @@ def kept_memory(groups, kv_heads: int, vocab: int, packed: bool, keep_logits: st
     """(estimate, saved bytes, estimate without the transient and the kept logits (which ride
     on the kernel's ctx, not as saved tensors), peak allocation, micro-batches) of one
     kept-graph step on this rank (rank body)."""
-    import dataclasses
-
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_p3o.logprob import fused
@@ -75,14 +73,14 @@ def kept_memory(groups, kv_heads: int, vocab: int, packed: bool, keep_logits: st
     ddp, mbs, update = _setup(groups, kv_heads, vocab, packed, keep_logits)
     update.run(ddp, mbs)  # warm (lazily built state)
     shape = step_memory.model_shape(ddp[0], groups)
-    kept = 0
+    need = step_memory.step_need(ddp, mbs, groups, vocab)
+    kept = 0.0
     if keep_logits == "auto":
-        assert step_memory.step_need(ddp, mbs, groups, vocab).logits_fit(True)
-        cols = step_memory.kept_logit_columns(shape, groups, vocab)
-        shape = dataclasses.replace(shape, kept_logits=cols)
-        kept = 4 * cols * sum(int(mb["tokens"].numel()) for mb in mbs)
+        assert need.logits_fit(True)
+        kept = need.logits
     fused._KEPT.free.clear()  # the measured step allocates its kept logits
-    estimate = step_memory.kept_graph_bytes(shape, mbs, groups.device)
+    estimate = step_memory.kept_graph_bytes(shape, mbs, groups.device) + kept
+    assert estimate == need.graphs + kept  # the plan's own figure
     transient = shape.transient(max(int(mb["tokens"].numel()) for mb in mbs), groups.device)
     params = {p.untyped_storage().data_ptr() for p in ddp[0].parameters()}
     params |= {p.main_grad.untyped_storage().data_ptr() for p in ddp[0].parameters()}
