@@ -169,7 +169,9 @@ def instrument(trainer):
     wrap(trainer.rollout, "publish", "weight sync")
     wrap(trainer, "_log", "logging")
     reads = {"n": 0, "on": False}
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+    # what would wait for a device (``numpy()`` is not among them: a device tensor refuses it,
+    # and on the host it is a view, e.g. the attention masks written in place)
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu"):
         orig = getattr(torch.Tensor, name)
 
         def counted(self, *a, _orig=orig, **k):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import chain
 from typing import ClassVar, Dict, List, Literal, Optional, Sequence, Tuple
 
 import numpy as np
@@ -132,30 +133,35 @@ def _response(
     ``mask_truncated`` a completion that hit the length budget keeps mask 0, and so does one
     whose advantage is NaN (a sequence its objective skips, e.g. R2PO's all-equal groups)."""
     n = len(samples)
-    longest = max([len(s.completion_ids) for s in samples] + [1])
-    # Rows as Python lists, two host tensors at the end (_host): per-sample slice writes were
-    # ~10% of a CPU step (four small torch calls per sample and micro-batch).
-    zero = [0.0] * longest
-    mask, blp, adv, index = [], [], [], []
-    for s, a, start in zip(samples, advantages, starts):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        skip = a != a or (mask_truncated and s.finish_reason == "length")
-        if c and not skip:
-            pad = zero[: longest - c]
-            # the policy's tokens only: a multi-turn trajectory's environment tokens (mask 0)
-            # reach no ratio, ESS, KL, entropy or normaliser
-            mask.append(([1.0] * c if s.policy_mask is None else [float(m) for m in s.policy_mask])
-                        + pad)  # fmt: skip
-            blp.append(list(s.logprobs) + pad)
-            adv.append([float(a)] * c + pad)
-            index.append(list(range(start + p - 1, start + p - 1 + c)) + [0] * (longest - c))
-        else:
-            mask.append(zero)
-            blp.append(zero)
-            adv.append(zero)
-            index.append([0] * longest)
-    mask, blp, adv = _host([mask, blp, adv], np.float32).reshape(3, n, longest)
-    index = _host(index, np.int64).reshape(n, longest)
+    # Whole-batch numpy, no per-sample rows: the kept samples' values flattened in order fill
+    # the grid's live cells (row-major, as their rows would); Python floats round to float32 to
+    # nearest either way.
+    plen = np.fromiter((len(s.prompt_ids) for s in samples), np.int64, n)
+    clen = np.fromiter((len(s.completion_ids) for s in samples), np.int64, n)
+    adv = np.asarray(advantages, dtype=np.float64).reshape(n)
+    keep = (clen > 0) & ~np.isnan(adv)
+    if mask_truncated:
+        keep &= np.fromiter((s.finish_reason != "length" for s in samples), bool, n)
+    longest = max(int(clen.max(initial=0)), 1)
+    col = np.arange(longest)
+    live = (col[None, :] < clen[:, None]) & keep[:, None]
+    kept = [s for s, k in zip(samples, keep.tolist()) if k]
+    grid = np.zeros((3, n, longest), np.float32)
+    # the policy's tokens only: a multi-turn trajectory's environment tokens (mask 0) reach no
+    # ratio, ESS, KL, entropy or normaliser
+    grid[0][live] = np.fromiter(
+        chain.from_iterable(
+            s.policy_mask if s.policy_mask is not None else (1.0,) * len(s.completion_ids)
+            for s in kept
+        ),
+        np.float32,
+    )
+    grid[1][live] = np.fromiter(chain.from_iterable(s.logprobs for s in kept), np.float32)
+    grid[2] = np.where(live, adv.astype(np.float32)[:, None], np.float32(0.0))
+    first = np.asarray(starts, dtype=np.int64).reshape(n) + plen - 1  # each completion's row
+    index = np.where(live, first[:, None] + col[None, :], 0)
+    mask, blp, adv = torch.from_numpy(grid)
+    index = torch.from_numpy(index)
     return {
         "mask": mask,
         "behavior_logprobs": blp,
@@ -249,16 +255,19 @@ def packed_microbatch(
     if target > total:
         lens.append(target - total)
         seqs.append([])
-    tokens: List[int] = []  # host lists, one tensor each at the end (see _response)
-    targets: List[int] = []
-    position_ids: List[int] = []
-    starts = [0]
-    for q, n in zip(seqs, lens):
-        tokens += list(q) + [pad_id] * (n - len(q))
-        targets += list(q[1:]) + [pad_id] * (n - max(len(q) - 1, 0))
-        position_ids += range(n)
-        starts.append(starts[-1] + n)
-    grid = _host([tokens, targets, position_ids], np.int64)
+    # one host array per row, filled by whole-batch numpy (see _response): each sequence's
+    # tokens, its next-token targets, then padding; positions restart at every sequence
+    width = np.asarray(lens, dtype=np.int64)
+    have = np.fromiter((len(q) for q in seqs), np.int64, len(seqs))
+    starts_np = np.concatenate(([0], np.cumsum(width)))
+    offset = np.arange(target) - np.repeat(starts_np[:-1], width)  # position in its sequence
+    seg_len = np.repeat(have, width)
+    grid = np.full((3, target), pad_id, dtype=np.int64)
+    grid[0][offset < seg_len] = np.fromiter(chain.from_iterable(seqs), np.int64)
+    grid[1][offset < seg_len - 1] = np.fromiter(chain.from_iterable(q[1:] for q in seqs), np.int64)
+    grid[2] = offset
+    grid = torch.from_numpy(grid)
+    starts = starts_np.tolist()
     mb = {
         "tokens": grid[0:1],
         "targets": grid[1:2],
@@ -310,7 +319,8 @@ class MicroBatcher:
         m-th consecutive slice of this rank's samples."""
         n_steps = self.cfg.minibatches
         per = len(samples) // n_steps
-        adv = [float(a) for a in advantages]
+        # floats, read at once from a tensor (the same values as float() of each element)
+        adv = advantages.tolist() if torch.is_tensor(advantages) else [float(a) for a in advantages]
         steps, stats = [], []
         for m in range(n_steps):
             sl = slice(m * per, (m + 1) * per)
