@@ -26,9 +26,13 @@ fused_vs_unfused_time=… fused_vs_unfused_peak=… trainer_vs_slime_time=…
 prepass_trainer_vs_slime_time=… fused_vs_unfused_one_pass_time=…`` (the step's time ratio
 through the pre-pass; the trainer's path against slime with kept graphs and through the
 pre-pass; the one-pass ratio, matmul + ℓθ + entropy + backward: the fused path's recomputed
-logits are a fourth matmul of the output layer's size).
+logits are a fourth matmul of the output layer's size). ``--rounds R`` runs every (variant, T)
+R times, round after round, so a slow spell of a shared machine hits each alike: each row is
+its median round, and the trainer's ratio to slime is the median of the per-round ratios (slime
+and the trainer's path run one after the other in each round), printed round by round.
 
-    python benchmarks/bench_logprob.py --slime /path/to/slime [--tokens-list 2048,8192 --tp 2]
+    python benchmarks/bench_logprob.py --slime /path/to/slime [--tokens-list 2048,8192 --tp 2
+                                                               --rounds 3]
 
 **Kernel only** (``--kernel``): vocab_parallel_logprobs (forward + backward) on given logits
 against Megatron-Core's ``vocab_parallel_cross_entropy``, a slime-style log-prob + entropy
@@ -58,6 +62,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -194,9 +199,9 @@ def worker(variant: str, dtype: str, tokens: int, vocab: int, reps: int, chunk: 
 # reference model): the same matmul + ℓθ + entropy without the backward.
 # *_step: what the trainer's last stage does per micro-batch of a P3O step: the ESS pre-pass
 # (no grad, ℓθ + the metric entropy), then the gradient pass (ℓθ without entropy) + backward.
-LAST_STAGE = (
-    "fused", "unfused", "slime", "fused_nograd", "unfused_nograd", "fused_step", "unfused_step",
-    "fused_kept",
+LAST_STAGE = (  # slime and the trainer's path run next to each other in every round
+    "fused", "unfused", "slime", "fused_kept", "fused_nograd", "unfused_nograd", "fused_step",
+    "unfused_step",
 )  # fmt: skip
 SLIME_FILE = "slime/utils/ppo_utils.py"
 
@@ -340,17 +345,23 @@ def last_stage_main(a) -> None:
     variants = [v for v in LAST_STAGE if v != "slime" or slime]
     if not slime:
         print("no slime checkout (--slime or $SLIME_REPO): slime's column is skipped")
-    rows = {}
-    for tokens in [int(x) for x in a.tokens_list.split(",")]:
-        for v in variants:
-            args = ["--last-stage-worker", v, "--tokens", str(tokens), "--vocab", str(a.vocab),
-                    "--hidden", str(a.hidden), "--reps", str(a.reps)]  # fmt: skip
-            args += ["--chunk", str(a.chunk)] if a.chunk else []
-            args += ["--slime", slime] if v == "slime" else []
-            rows[(v, tokens)] = _launch(args, a.tp, free_port())
+    runs: dict = {}  # (variant, T) -> one result per round
+    for rnd in range(a.rounds):
+        for tokens in [int(x) for x in a.tokens_list.split(",")]:
+            for v in variants:
+                if a.rounds > 1:
+                    print(f"round {rnd + 1}/{a.rounds}: {v} at T={tokens}", flush=True)
+                args = ["--last-stage-worker", v, "--tokens", str(tokens), "--vocab",
+                        str(a.vocab), "--hidden", str(a.hidden), "--reps", str(a.reps)]  # fmt: skip
+                args += ["--chunk", str(a.chunk)] if a.chunk else []
+                args += ["--slime", slime] if v == "slime" else []
+                runs.setdefault((v, tokens), []).append(_launch(args, a.tp, free_port()))
+    # each (variant, T): its median round; ratios: per round (runs next to each other), median
+    rows = {k: sorted(rs, key=lambda r: r["time_s"])[(len(rs) - 1) // 2] for k, rs in runs.items()}
     t = Table(
         title=f"last stage: matmul + ℓθ + metric entropy + backward, V={a.vocab}, "
-        f"h={a.hidden}, TP={a.tp}, fp32, median of {a.reps}"
+        f"h={a.hidden}, TP={a.tp}, fp32, median of {a.reps} calls"
+        + (f", median of {a.rounds} interleaved rounds" if a.rounds > 1 else "")
     )
     cols = ("T", "variant", "time s", "peak extra MB", "time / unfused*", "peak / unfused*")
     for col in cols:
@@ -372,7 +383,13 @@ def last_stage_main(a) -> None:
     kept = rows[("fused_kept", big)]
     print(f"fused_kept at T={big}: logits kept for the backward: {kept['kept_logits']} "
           "(batch.keep_logits: auto, where T × V/tp fp32 fits the memory plan's room)")  # fmt: skip
-    vs_slime = f"{kept['time_s'] / s['time_s']:.2f}" if s else "nan"
+    vs_slime = "nan"
+    if s:
+        per_round = [k["time_s"] / x["time_s"] for k, x in
+                     zip(runs[("fused_kept", big)], runs[("slime", big)])]  # fmt: skip
+        vs_slime = f"{statistics.median(per_round):.2f}"
+        print(f"trainer's path / slime at T={big}, round by round: "
+              + ", ".join(f"{x:.2f}" for x in per_round))  # fmt: skip
     prepass_vs_slime = f"{fs['time_s'] / s['time_s']:.2f}" if s else "nan"
     print(
         f"one pass (matmul + ℓθ + entropy + backward) at T={big}: fused / unfused "
@@ -396,6 +413,12 @@ def main():
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--hidden", type=int, default=512, help="last stage: hidden size")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="last stage: every (variant, T) this many times, round after round",
+    )
     ap.add_argument("--chunk", type=int, default=None)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (gloo)")
