@@ -32,10 +32,11 @@ generate, decoding, reward, advantages); ``train`` the rest of the optimizer ste
 ``generate`` is ``rollout_s`` (generation, decoding, reward); ``train`` is compose + advantage +
 train (ESS pre-pass, forward/backward, optimizer) + weight sync.
 
-Last line: ``RESULT ours_vs_trl_step_<B>=<x> ours_vs_trl_generate_<B>=<g>
-ours_vs_trl_train_<B>=<t>`` for every budget B (and ``before_vs_trl_step_<B>``,
-``ours_vs_before_step_<B>`` with ``--before``); the spread over reps is printed with the
-table.
+Last line: ``RESULT ours_vs_trl_step_<B>=<x> ours_vs_trl_step_paired_<B>=<p>
+ours_vs_trl_generate_<B>=<g> ours_vs_trl_train_<B>=<t>`` for every budget B (``paired``: the
+median over reps of ours / TRL within a rep: same seed, run one after the other), and
+``before_vs_trl_step_<B>``, ``ours_vs_before_step_<B>`` with ``--before``; the spread over reps
+is printed with the table, the per-rep ratios below it.
 """
 
 from __future__ import annotations
@@ -183,7 +184,13 @@ def main() -> None:
     parts = []
     for b in budgets:
         o, t = best[("ours", b)], best[("trl", b)]
+        # rep by rep: the same seed, run next to each other (a slow spell hits both)
+        paired = [x["step_s"] / y["step_s"] for x, y in zip(runs[("ours", b)], runs[("trl", b)])]
+        console.print(f"ours / TRL per step at {b} tokens, rep by rep: "
+                      + ", ".join(f"{x:.2f}" for x in paired)
+                      + f" (median {statistics.median(paired):.2f})")  # fmt: skip
         parts += [f"ours_vs_trl_step_{b}={o['step_s'] / t['step_s']:.2f}",
+                  f"ours_vs_trl_step_paired_{b}={statistics.median(paired):.2f}",
                   f"ours_vs_trl_generate_{b}={o['generate_s'] / t['generate_s']:.2f}",
                   f"ours_vs_trl_train_{b}={o['train_s'] / t['train_s']:.2f}"]  # fmt: skip
         if args.before:
