@@ -20,10 +20,11 @@ as :mod:`~megatron_p3o.logprob.kernels`'s, in the same floating-point steps:
     dh = G·W (this shard's partial sum);   dW = Σ_chunks Gᵀ·h_chunk        (fp32 accumulator)
 
 Collectives: a MAX all-reduce of ``m [chunk]`` per chunk (the exponentials need the global max
-before they are taken) and one SUM all-reduce of the per-token sums ``[2 or 3, T]`` (float64)
-after the last chunk, both over the TP group; none in the backward. The TP sum of dh (each rank
-only saw its vocabulary shard) belongs to the input mapping, as in Megatron's
-``ColumnParallelLinear``: :func:`~megatron_p3o.model.output_layer.output_layer_input`
+before they are taken; with kept logits it runs while the chunk before is summed, so the other
+ranks' lag hides behind the next matmul) and one SUM all-reduce of the per-token sums
+``[2 or 3, T]`` (float64) after the last chunk, both over the TP group; none in the backward.
+The TP sum of dh (each rank only saw its vocabulary shard) belongs to the input mapping, as in
+Megatron's ``ColumnParallelLinear``: :func:`~megatron_p3o.model.output_layer.output_layer_input`
 (all-reduce, or with sequence parallelism the all-gather of the input whose backward
 reduce-scatters dh), which the model's output layer applies before it hands the loss an
 :class:`~megatron_p3o.model.output_layer.OutputLayerInput`.
@@ -41,6 +42,7 @@ size groups the tokens' contributions differently (a few ulp). The chunk size is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -48,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_p3o.logprob.kernels import _BLOCK_ELEMS, _row_blocks, _shard_bounds
-from megatron_p3o.runtime.collectives import all_max, all_sum
+from megatron_p3o.runtime.collectives import all_max, all_max_start, all_sum
 
 
 # -- the kernel ----------------------------------------------------------------------------------
@@ -150,6 +152,40 @@ def kept_logits_pooled_bytes() -> int:
     return _KEPT.pooled_bytes()
 
 
+def _chunk_sums(
+    s: int,
+    e: int,
+    z: Tensor,
+    handle,
+    *,
+    m_all: Tensor,
+    stats: Tensor,
+    buf: Tensor,
+    ebuf: Optional[Tensor],
+    any_real: bool,
+    kept: bool,
+) -> None:
+    """Chunk ``[s, e)``'s Σ_v e^{z/T−m} into ``stats[0]`` (and Σ e^{z/T−m}(z/T − m) into
+    ``stats[2]`` when ``ebuf`` is given), once its max ``m_all[s:e]`` is global (``handle``: the
+    all-reduce in flight, waited for here). ``z`` is the chunk's z / T: in ``buf`` (taken in
+    place) or, ``kept``, in the kept logits (left as they are; z − m goes to ``buf``)."""
+    if handle is not None:
+        handle.wait()
+    if not any_real:  # a shard of padding columns only: it adds nothing to the sums
+        return
+    m = m_all[s:e]
+    if kept:  # z / T stays; z − m goes to the scratch buffer (the same values)
+        z = torch.sub(z, m[:, None], out=buf[: e - s])
+    else:
+        z.sub_(m[:, None])
+    if ebuf is not None:
+        p = torch.exp(z, out=ebuf[: e - s])
+        stats[0, s:e] = p.sum(-1).double()
+        stats[2, s:e] = p.mul_(z).sum(-1).double()
+    else:
+        stats[0, s:e] = z.exp_().sum(-1).double()
+
+
 class _FusedLogprob(torch.autograd.Function):
     """ℓ(y), H and lse of softmax((h·Wᵀ + Σ r_i·W_iᵀ) / T) over a vocabulary shard, chunked.
 
@@ -173,6 +209,14 @@ class _FusedLogprob(torch.autograd.Function):
         m_all = torch.full((n,), -float("inf"), dtype=torch.float32, device=dev)
         # keep_logits: every chunk's z / T, for the backward instead of a recompute
         kept = _KEPT.take(n * real, dev) if cfg.keep_logits and real > 0 else None
+        # with kept logits over TP, a chunk's max travels while the chunk before it is summed
+        # (its logits stay in the kept buffer): the same operations on the same values, the
+        # wait for the other ranks hidden behind a matmul
+        overlap = kept is not None and cfg.tp_group is not None
+        pending = None  # (s, e, z, handle) of the chunk whose max is in flight
+        finish = partial(_chunk_sums, m_all=m_all, stats=stats, buf=buf, ebuf=ebuf,
+                         any_real=real > 0, kept=kept is not None)  # fmt: skip
+
         for s, e in _row_blocks(n, rows):
             out = buf[: e - s] if kept is None else kept[s * real : e * real].view(e - s, real)
             z = _chunk_logits(hs, ws, s, e, real, out, 1.0)
@@ -183,22 +227,19 @@ class _FusedLogprob(torch.autograd.Function):
                 if cfg.inv_t != 1.0:
                     z.mul_(cfg.inv_t)
                 m_all[s:e] = z.amax(-1)
-            m = m_all[s:e]
-            if cfg.tp_group is not None:
-                all_max(m, cfg.tp_group, "the chunk's max over the whole vocabulary (stable lse)")
-            if real == 0:  # a shard of padding columns only: it adds nothing to the sums
+            why = "the chunk's max over the whole vocabulary (stable lse)"
+            if overlap:
+                handle = all_max_start(m_all[s:e], cfg.tp_group, why)
+                if pending is not None:
+                    finish(*pending)
+                pending = (s, e, z, handle)
                 continue
-            if kept is not None:  # z / T stays; z − m goes to the scratch buffer (same values)
-                z = torch.sub(z, m[:, None], out=buf[: e - s])
-            else:
-                z.sub_(m[:, None])
-            if cfg.with_entropy:
-                p = torch.exp(z, out=ebuf[: e - s])
-                stats[0, s:e] = p.sum(-1).double()
-                stats[2, s:e] = p.mul_(z).sum(-1).double()
-            else:
-                stats[0, s:e] = z.exp_().sum(-1).double()
-        del buf, ebuf
+            if cfg.tp_group is not None:
+                all_max(m_all[s:e], cfg.tp_group, why)
+            finish(s, e, z, None)
+        if pending is not None:
+            finish(*pending)
+        del buf, ebuf, finish
         if cfg.tp_group is not None:
             all_sum(stats, cfg.tp_group, "Σexp, the target logit (one TP rank holds it) and "
                     "Σexp·(z−m) over the shards, once for all chunks")  # fmt: skip

@@ -44,6 +44,13 @@ def all_max(t: torch.Tensor, group, why: str) -> torch.Tensor:
     return t
 
 
+def all_max_start(t: torch.Tensor, group, why: str):
+    """In place, started: the element-wise maximum of ``t`` over ``group`` once the returned
+    handle's ``wait()`` returns (work may go on meanwhile; ``t`` is not to be touched before)."""
+    _trace("all_max (async)", group, why)
+    return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+
 def all_gather_into(parts: List[torch.Tensor], t: torch.Tensor, group, why: str) -> list:
     """``parts[r]`` = rank r's ``t`` (``parts`` preallocated, one per rank of ``group``)."""
     _trace("all_gather", group, why)
