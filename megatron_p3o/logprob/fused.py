@@ -216,6 +216,7 @@ class _FusedLogprob(torch.autograd.Function):
         pending = None  # (s, e, z, handle) of the chunk whose max is in flight
         finish = partial(_chunk_sums, m_all=m_all, stats=stats, buf=buf, ebuf=ebuf,
                          any_real=real > 0, kept=kept is not None)  # fmt: skip
+        why = "the chunk's max over the whole vocabulary (stable lse)"
 
         for s, e in _row_blocks(n, rows):
             out = buf[: e - s] if kept is None else kept[s * real : e * real].view(e - s, real)
@@ -227,7 +228,6 @@ class _FusedLogprob(torch.autograd.Function):
                 if cfg.inv_t != 1.0:
                     z.mul_(cfg.inv_t)
                 m_all[s:e] = z.amax(-1)
-            why = "the chunk's max over the whole vocabulary (stable lse)"
             if overlap:
                 handle = all_max_start(m_all[s:e], cfg.tp_group, why)
                 if pending is not None:
