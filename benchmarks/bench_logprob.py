@@ -29,10 +29,12 @@ pre-pass; the one-pass ratio, matmul + ℓθ + entropy + backward: the fused pat
 logits are a fourth matmul of the output layer's size). ``--rounds R`` runs every (variant, T)
 R times, round after round, so a slow spell of a shared machine hits each alike: each row is
 its median round, and the trainer's ratio to slime is the median of the per-round ratios (slime
-and the trainer's path run one after the other in each round), printed round by round.
+and the trainer's path run one after the other in each round), printed round by round at every T
+(three decimals: the target's line is 0.9). ``--variants slime,fused_kept`` runs only those (the
+ratios that need a left-out variant print ``nan``): many paired rounds in the time of a few.
 
     python benchmarks/bench_logprob.py --slime /path/to/slime [--tokens-list 2048,8192 --tp 2
-                                                               --rounds 3]
+                                                               --rounds 3 --variants ...]
 
 **Kernel only** (``--kernel``): vocab_parallel_logprobs (forward + backward) on given logits
 against Megatron-Core's ``vocab_parallel_cross_entropy``, a slime-style log-prob + entropy
@@ -342,7 +344,13 @@ def last_stage_main(a) -> None:
     from megatron_p3o.runtime.ports import free_port
 
     slime = a.slime or os.environ.get("SLIME_REPO", "")
-    variants = [v for v in LAST_STAGE if v != "slime" or slime]
+    wanted = a.variants.split(",") if a.variants else list(LAST_STAGE)
+    unknown = sorted(set(wanted) - set(LAST_STAGE))
+    if unknown:
+        print(f"bench_logprob: --variants: unknown {', '.join(unknown)} "
+              f"(known: {', '.join(LAST_STAGE)})", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    variants = [v for v in LAST_STAGE if v in wanted and (v != "slime" or slime)]
     if not slime:
         print("no slime checkout (--slime or $SLIME_REPO): slime's column is skipped")
     runs: dict = {}  # (variant, T) -> one result per round
@@ -368,40 +376,54 @@ def last_stage_main(a) -> None:
         t.add_column(col)
     for (v, tokens), r in rows.items():
         kind = next((k for k in ("_nograd", "_step") if v.endswith(k)), "")  # _kept: one pass
-        u = rows[("unfused" + kind, tokens)]
+        u = rows.get(("unfused" + kind, tokens))
         t.add_row(
             str(tokens), v, f"{r['time_s']:.3f}", f"{r['peak_extra_mb']:.0f}",
-            f"{r['time_s'] / u['time_s']:.2f}×",
-            f"{r['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f}×",
+            f"{r['time_s'] / u['time_s']:.2f}×" if u else "—",
+            f"{r['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f}×" if u else "—",
         )  # fmt: skip
     Console().print(t)
     print("* against the unfused row of the same kind (one pass with backward, no-grad, step)")
     big = max(int(x) for x in a.tokens_list.split(","))
-    f, u = rows[("fused", big)], rows[("unfused", big)]
-    fs, us = rows[("fused_step", big)], rows[("unfused_step", big)]
-    s = rows.get(("slime", big))
-    kept = rows[("fused_kept", big)]
-    print(f"fused_kept at T={big}: logits kept for the backward: {kept['kept_logits']} "
-          "(batch.keep_logits: auto, where T × V/tp fp32 fits the memory plan's room)")  # fmt: skip
+
+    def ratio(num: str, den: str, key: str = "time_s", fmt: str = ".2f") -> str:
+        """rows[num] / rows[den] at the largest T, or nan where --variants left one out."""
+        x, y = rows.get((num, big)), rows.get((den, big))
+        return format(x[key] / max(y[key], 1e-9), fmt) if x and y else "nan"
+
+    kept = rows.get(("fused_kept", big))
+    if kept:
+        print(
+            f"fused_kept at T={big}: logits kept for the backward: {kept['kept_logits']} "
+            "(batch.keep_logits: auto, where T × V/tp fp32 fits the memory plan's room)"
+        )
     vs_slime = "nan"
-    if s:
-        per_round = [k["time_s"] / x["time_s"] for k, x in
-                     zip(runs[("fused_kept", big)], runs[("slime", big)])]  # fmt: skip
-        vs_slime = f"{statistics.median(per_round):.2f}"
-        print(f"trainer's path / slime at T={big}, round by round: "
-              + ", ".join(f"{x:.2f}" for x in per_round))  # fmt: skip
-    prepass_vs_slime = f"{fs['time_s'] / s['time_s']:.2f}" if s else "nan"
+    for tokens in sorted({k[1] for k in runs}):
+        if ("slime", tokens) not in runs or ("fused_kept", tokens) not in runs:
+            continue
+        per_round = [
+            k["time_s"] / x["time_s"]
+            for k, x in zip(runs[("fused_kept", tokens)], runs[("slime", tokens)])
+        ]
+        print(
+            f"trainer's path / slime at T={tokens}, round by round: "
+            + ", ".join(f"{x:.3f}" for x in per_round)
+            + f"; median {statistics.median(per_round):.3f}"
+        )
+        if tokens == big:
+            vs_slime = f"{statistics.median(per_round):.3f}"
     print(
         f"one pass (matmul + ℓθ + entropy + backward) at T={big}: fused / unfused "
-        f"{f['time_s'] / u['time_s']:.2f}× (the recomputed logits: a 4th matmul of the output "
+        f"{ratio('fused', 'unfused')}× (the recomputed logits: a 4th matmul of the output "
         "layer's size); RESULT's fused_vs_unfused_time is the trainer's step through the ESS "
         "pre-pass, trainer_vs_slime_time its path with kept graphs (one pass + e_B)"
     )
     print(
-        f"RESULT fused_vs_unfused_time={fs['time_s'] / us['time_s']:.2f} "
-        f"fused_vs_unfused_peak={f['peak_extra_mb'] / max(u['peak_extra_mb'], 1e-9):.3f} "
-        f"trainer_vs_slime_time={vs_slime} prepass_trainer_vs_slime_time={prepass_vs_slime} "
-        f"fused_vs_unfused_one_pass_time={f['time_s'] / u['time_s']:.2f}"
+        f"RESULT fused_vs_unfused_time={ratio('fused_step', 'unfused_step')} "
+        f"fused_vs_unfused_peak={ratio('fused', 'unfused', 'peak_extra_mb', '.3f')} "
+        f"trainer_vs_slime_time={vs_slime} "
+        f"prepass_trainer_vs_slime_time={ratio('fused_step', 'slime')} "
+        f"fused_vs_unfused_one_pass_time={ratio('fused', 'unfused')}"
     )
 
 
@@ -420,6 +442,12 @@ def main():
         help="last stage: every (variant, T) this many times, round after round",
     )
     ap.add_argument("--chunk", type=int, default=None)
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="last stage: only these, comma-separated (default all; e.g. slime,fused_kept for "
+        "many paired rounds of the trainer's path against slime)",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (gloo)")
     ap.add_argument("--slime", default="", help="slime work tree or git dir (last stage)")
