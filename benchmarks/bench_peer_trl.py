@@ -54,21 +54,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _trl_python(venv: Path) -> str:
-    py = venv / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pins = ["-c", str(ROOT / "constraints-cpu.txt")]
-        reqs = ["-r", str(ROOT / "benchmarks" / "peer_trl_requirements.txt")]
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *pins, *reqs], check=True)
-    probe = "import torch; print(torch.__version__)"
-    out = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, check=True)
-    torch_v = out.stdout.strip()
-    if torch_v != "2.13.0+cpu":  # a CUDA build ("2.13.0+cu12x") would also start with 2.13.0
-        sys.exit(f"{venv}: torch {torch_v} is not the pinned CPU build (remove the venv)")
-    return str(py)
-
-
 def _env() -> dict:
     threads = os.environ.get("OMP_NUM_THREADS", "2")
     return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
@@ -135,7 +120,8 @@ def main() -> None:
     ap.add_argument("--before", help="another checkout of this project, run interleaved")
     args = ap.parse_args()
 
-    from bench_step_profile import cpu_model
+    from machine import cpu_model
+    from machine import trl_python as _trl_python
     from rich.console import Console
     from rich.table import Table
 

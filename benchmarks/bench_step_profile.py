@@ -64,22 +64,6 @@ OURS = ("rollout", "packing", "plan", "e_B pre-pass", "forward", "log-probs + lo
 TRL = ("rollout", "forward", "loss", "backward", "optimizer", "zero grads", "trainer python")
 
 
-def cpu_model() -> str:
-    """The CPU's model name (lscpu, else /proc/cpuinfo)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def env() -> dict:
     threads = os.environ.get("OMP_NUM_THREADS", "2")
     return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
@@ -344,11 +328,13 @@ def main() -> None:
         return ours_worker(a)
     if a.worker == "memory":
         return memory_worker(a)
+    from machine import cpu_model
+
     budgets = [int(x) for x in a.budgets.split(",")]
     print(f"CPU: {cpu_model()}, {os.environ.get('OMP_NUM_THREADS', '2')} threads")
     if a.memory:
         return memory_main(a, budgets)
-    from bench_peer_trl import _trl_python
+    from machine import trl_python as _trl_python
 
     py = None if a.no_trl else _trl_python(Path(a.venv))
     keep = {"keep": "auto", "prepass": "never", "before": ""}

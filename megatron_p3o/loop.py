@@ -51,6 +51,15 @@ def _stopped(trainer, con, reason: str) -> int:
 
 
 def train_loop(cfg, trainer, con, stop) -> int:
+    from megatron_p3o.runtime.preemption import RolloutInterrupted
+
+    try:
+        return _steps(cfg, trainer, con, stop)
+    except RolloutInterrupted:  # a stop signal inside a multi-turn rollout (every rank)
+        return _stopped(trainer, con, stop.signal or "signal")
+
+
+def _steps(cfg, trainer, con, stop) -> int:
     import time
 
     from rich.progress import Progress

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_p3o.advantage.estimators import group_advantages
+from megatron_p3o.advantage.turns import step_advantages
 from megatron_p3o.checkpoint.state import (
     load_model_state,
     load_training_checkpoint,
@@ -31,9 +31,14 @@ from megatron_p3o.logprob.reference import ReferenceModel
 from megatron_p3o.loss import build_objective
 from megatron_p3o.model.builder import BuildOptions, build_model
 from megatron_p3o.model.hf.dist_stream import P3O_META_FILE, meta_dict, read_meta
-from megatron_p3o.observability.metrics import PhaseTimer, combine_optimizer_steps, staleness
+from megatron_p3o.observability.metrics import (
+    PhaseTimer,
+    combine_optimizer_steps,
+    reduce_rollout_metrics,
+    staleness,
+)
 from megatron_p3o.observability.run_log import RunLog
-from megatron_p3o.observability.turn_metrics import TURN_MEANS, turn_metrics
+from megatron_p3o.observability.turn_metrics import turn_metrics
 from megatron_p3o.reward import build_reward, decode_completions, score_samples
 from megatron_p3o.reward.overlong import dapo_overlong_reward
 from megatron_p3o.rollout.backend import build_backend
@@ -221,7 +226,9 @@ class Trainer:
         )
         head = self.r2po.head.hf_tensors if self.r2po is not None else None
         weights = TrainerWeights(self.chunks, groups, self.desc, extra=head)
-        self.turns = build_turn_loop(r.multi_turn, self.tok, cfg.data.chat_template)
+        self.turns = build_turn_loop(
+            r.multi_turn, self.tok, cfg.data.chat_template, self.sampling.stop_token_ids
+        )
         return build_backend(
             r, groups, weights, self.data, self._score, shard, self.step_idx, resume,
             cfg.model.params_dtype, self.tok.pad_token_id or 0, rollout_head=head is not None,
@@ -242,7 +249,7 @@ class Trainer:
     def step(self) -> Dict[str, float]:
         timer = PhaseTimer()
         with timer("rollout_wait"):
-            res = self.rollout.next_batch()
+            res = self._all_or_none(self.rollout.next_batch)
         with timer("compose"):
             groups, replay_stats = self.replay.compose(res.groups, self.step_idx, res.dropped)
             batch = TrainBatch.from_groups(groups)
@@ -267,6 +274,24 @@ class Trainer:
                 self.save_checkpoint()
         return self._log(batch, {**update, **res.stats, **replay_stats}, timer.seconds)
 
+    def _all_or_none(self, rollout):
+        """``rollout()``; a multi-turn rollout a stop signal interrupted on any rank raises
+        :class:`RolloutInterrupted` on every rank (one agreement over the world: a rank whose
+        rollout ended first must not go on to the update alone)."""
+        from megatron_p3o.runtime.preemption import RolloutInterrupted
+
+        try:
+            out, stop = rollout(), 0
+        except RolloutInterrupted:
+            out, stop = None, 1
+        if self.turns is not None and self.groups.world_size > 1:
+            flag = torch.tensor([stop], dtype=torch.int64, device=self.groups.device)
+            all_max(flag, self.groups.world, "a stop signal during a rollout stops every rank")
+            stop = int(flag.item())
+        if stop:
+            raise RolloutInterrupted("a stop signal arrived during a multi-turn rollout")
+        return out
+
     # -- phases -----------------------------------------------------------------------------------
     def decode(self, ids: List[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -278,19 +303,20 @@ class Trainer:
             texts = decode_completions(self.decode, [s.completion_ids for s in samples])
             rewards = score_samples(self.reward_fn, texts, answers, [s.group_id for s in samples])
         ol = self.cfg.reward.overlong
-        if ol is not None:  # DAPO's soft over-long penalty, added to the task reward
-            lens = torch.tensor([len(s.completion_ids) for s in samples])  # host
+        if ol is not None:  # DAPO's soft over-long penalty, on the tokens the policy sampled
+            lens = torch.tensor([s.policy_tokens for s in samples])  # host
             pen = dapo_overlong_reward(lens, ol.max_len, ol.cache).tolist()
             rewards = [r + p for r, p in zip(rewards, pen)]
         return rewards
 
-    def _advantages(self, batch: TrainBatch) -> torch.Tensor:
-        """The objective's own advantages (OAPL's A*) or the configured group baseline."""
-        own = self.objective.advantages(batch.rewards, batch.group_index)
-        if own is not None:
-            return own
-        a = self.cfg.advantage
-        return group_advantages(batch.rewards, batch.group_index, a.kind, a.eps)
+    def _advantages(self, batch: TrainBatch):
+        """The objective's own advantages (OAPL's A*) or the configured group baseline, over
+        the members that were not aborted; per token under ``multi_turn.credit: turn``."""
+        a, mt, obj = self.cfg.advantage, self.cfg.rollout.multi_turn, self.objective
+        own = (lambda r, g: obj.advantages(r, g)) if obj.spec.advantages is not None else None
+        credit = (mt.credit, mt.discount) if mt is not None else ("trajectory", 1.0)
+        return step_advantages(batch.samples, batch.rewards, batch.group_index, own, a.kind,
+                               a.eps, *credit)  # fmt: skip
 
     def _update(self, samples, adv) -> Dict:
         """Every optimizer step of this rollout batch (mini-batches × epochs); their metrics."""
@@ -365,11 +391,12 @@ class Trainer:
         trained = self.step_idx - 1
         stale = staleness(batch.samples, trained)
         toks = sum(s.policy_tokens for s in batch.samples)  # the policy's (not an environment's)
-        lens = [len(s.completion_ids) for s in batch.samples]
+        lens = [s.policy_tokens for s in batch.samples]  # an environment's tokens are not its
         cut = sum(s.finish_reason == "length" for s in batch.samples)
         distinct: Dict[int, set] = {}  # rollout diversity: distinct completions per prompt group
         for s, gi in zip(batch.samples, batch.group_index.tolist()):
-            distinct.setdefault(gi, set()).add(tuple(s.completion_ids))
+            pol = (t for t, m in zip(s.completion_ids, s.mask()) if m)
+            distinct.setdefault(gi, set()).add(tuple(pol))
         n_steps = b.epochs * b.minibatches
         out = {
             "step": self.step_idx,
@@ -388,57 +415,10 @@ class Trainer:
             "weight_version": self.step_idx,
             "lr": self.opt.param_groups[0]["lr"],
         }
-        self._reduce_rollout_metrics(out)
+        reduce_rollout_metrics(out, self.groups)
         out["rollout_tok_per_s"] = out["rollout_tokens"] / max(out["rollout_s"], 1e-9)
         self.log.log(self.step_idx, {k: v for k, v in out.items() if k != "step"})
         return out
-
-    _DP_SUMS = (
-        "rollout_tokens",
-        "rollout_env_tokens",
-        "dynamic_refilled",
-        "reeval_groups",
-        "replay_groups",
-        "homogeneous_groups",
-        "staleness_tokens",
-    )
-    # means over tokens: weighted by each rank's token count (ranks hold different counts)
-    _DP_TOKEN_MEANS = (("staleness_token_mean", "staleness_tokens"),)
-    _DP_MEANS = (
-        "reward_mean",
-        "completion_len",
-        "truncation_rate",
-        "distinct_per_group",
-        "staleness_mean",
-        "straddling_frac",
-        "rollout_s",
-        "rollout_wait_s",
-        *TURN_MEANS,
-    )
-
-    def _reduce_rollout_metrics(self, out: Dict[str, float]) -> None:
-        """Rollout-side numbers of the whole step: each DP rank rolled out and scored its own
-        prompts (DP group: sums, means and the staleness maximum over all of them)."""
-        dp = self.groups.layout.dp
-        if not self.groups.layout.dp_enabled:
-            return
-        keys = self._DP_SUMS + self._DP_MEANS
-        weighted = [(k, w) for k, w in self._DP_TOKEN_MEANS if k in out and w in out]
-        for k, w in weighted:  # Σ over ranks of mean_r · n_r, divided by Σ n_r below
-            out[k] = out[k] * out[w]
-        keys += tuple(k for k, _ in weighted)
-        dev = self.groups.device
-        t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
-        all_sum(t, self.groups.dp, "rollout metrics: each DP rank made its own groups")
-        for k, v in zip(keys, t.tolist()):
-            if k in out:
-                out[k] = v if k in self._DP_SUMS or k in dict(weighted) else v / dp
-        for k, w in weighted:
-            out[k] = out[k] / max(out[w], 1.0)
-        maxima = ("staleness_max", "staleness_token_max", "completion_len_max")
-        m = torch.tensor([out[k] for k in maxima], dtype=torch.float64, device=dev)
-        all_max(m, self.groups.dp, "the longest staleness and completion over every rank")
-        out.update(zip(maxima, m.tolist()))
 
     # -- evaluation, checkpoints, teardown ------------------------------------------------------
     def evaluate(self, path: str, limit: int = 0) -> float:
@@ -455,7 +435,9 @@ class Trainer:
         items = None
         if self.turns is not None:  # the same turn loop as the rollouts, greedy
             items = eval_items(path, d.prompt_key, rows, mine)
-        samples = self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling(), items)
+        samples = self._all_or_none(
+            lambda: self.generate_eval([rows[i][0] for i in mine], self.greedy_sampling(), items)
+        )
         score = torch.zeros(len(rows), dtype=torch.float64, device=self.groups.device)
         if items is not None:
             rewards = [float(s.reward) for s in samples]
@@ -585,6 +567,8 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None
+        if self.turns is not None:  # its environment workers
+            self.turns.close()
         if self.log is not None:
             self.log.close()
             self.log = None

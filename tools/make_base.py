@@ -54,15 +54,6 @@ TASKS = {
         "chain_scratchpad",
     ),
 }
-MODEL = dict(
-    hidden_size=128,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
 
 
 def scores(model, tok, prompts, answers, max_new, n=1, seed=0) -> list:
@@ -143,6 +134,7 @@ def main(argv=None) -> int:
     if a.task == "tool_calc":
         return _tool_base(out, a)
     from rich.progress import Progress
+    from shipped_base import MODEL  # tools/ (this script's folder)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_p3o.data.tasks import chain_sum

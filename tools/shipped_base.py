@@ -22,6 +22,17 @@ from pathlib import Path
 
 from megatron_p3o.runtime.errors import InputFileError
 
+# the shipped bases' model (chain_sum's and tool_calc's: make_base.py and tool_base.py)
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
 BASES = Path(__file__).resolve().parent.parent / "bases"
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from make_base import MODEL  # tools/: the chain base's size, the same here
+from shipped_base import MODEL  # tools/: the chain base's size, the same here
 
 ENV = "megatron_p3o.env.calc_env:CalculatorEnv"
 MAX_TURNS, MAX_TOTAL, MAX_NEW = 3, 48, 16  # = recipes/tiny_cpu_tools.yaml

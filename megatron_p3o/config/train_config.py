@@ -177,6 +177,20 @@ class TrainConfig:
                     f"loss.objective={self.loss.objective!r} needs the full softmax(z) "
                     "(top_p=1, top_k=0)"
                 )
+        mt = r.multi_turn
+        if mt is not None and mt.credit == "turn":
+            seq = obj.spec.advantages is not None or (
+                self.loss.objective == "gspo" and not getattr(obj.hyper, "token_level", False)
+            )
+            other = ("r2po.enabled" if self.r2po.enabled else
+                     f"loss.objective={self.loss.objective!r} (one advantage per sequence)"
+                     if seq else
+                     "replay.policy=fifo" if self.replay.policy == "fifo" else None)  # fmt: skip
+            if other is not None:
+                raise ConfigError(
+                    f"rollout.multi_turn.credit=turn with {other}: per-turn advantages reach "
+                    "only the token-advantage objectives' own update (use credit: trajectory)"
+                )
         if self.r2po.enabled and r.engine != "embedded":
             raise ConfigError(
                 f"r2po.enabled with rollout.engine={r.engine!r}: sampling with R2PO's residual "

@@ -10,7 +10,10 @@ observation.
 
 Grammar: integers and decimals, ``+ - * / // % **``, unary ``+ -``, parentheses. Division of
 integers that divide exactly stays an integer; other results are floats (``repr`` rounding is
-the tool's output; the task's answers are integers).
+the tool's output; the task's answers are integers). Results are real numbers only: a negative
+base to a fractional power is refused (Python would return a complex number), and so is anything
+Python itself refuses (overflow, a division by zero): the tool raises :class:`CalculatorError`
+and nothing else.
 """
 
 from __future__ import annotations
@@ -44,16 +47,23 @@ _BIN = {
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
-def _digits(x: Number) -> float:
-    """Decimal digits of |x| (0 for |x| < 1)."""
-    x = abs(x)
-    return math.log10(x) + 1 if x >= 1 else 0.0
+def _log10(x: Number) -> float:
+    """log10 |x| (−inf for 0); exact enough for the size checks (big integers included)."""
+    return math.log10(abs(x)) if x else -math.inf
+
+
+def _too_big(log10_value: float) -> bool:
+    """A value of magnitude 10**log10_value has more than MAX_DIGITS integer digits: a number
+    of d digits lies in [10**(d−1), 10**d)."""
+    return log10_value >= MAX_DIGITS
 
 
 def _check(x: Number) -> Number:
+    if not isinstance(x, (int, float)):
+        raise CalculatorError("the result is not a real number")
     if isinstance(x, float) and not math.isfinite(x):
         raise CalculatorError("the result is not a finite number")
-    if _digits(x) > MAX_DIGITS:
+    if _too_big(_log10(x)):
         raise CalculatorError(f"the result has more than {MAX_DIGITS} digits")
     return x
 
@@ -63,8 +73,12 @@ def _power(a: Number, b: Number) -> Number:
         raise CalculatorError(f"exponent {b} is larger than {MAX_EXPONENT}")
     if a == 0 and b < 0:
         raise CalculatorError("division by zero")
-    if abs(a) > 1 and b > 0 and _digits(a) * b > MAX_DIGITS + 1:
+    if a < 0 and not float(b).is_integer():
+        raise CalculatorError("a negative number to a fractional power is not a real number")
+    if a != 0 and _too_big(b * _log10(a)):
         raise CalculatorError(f"the result has more than {MAX_DIGITS} digits")
+    if isinstance(a, float) and a != 0 and b * _log10(a) < -300:  # underflows to 0: say so
+        raise CalculatorError("the result is too small to represent")
     return a**b
 
 
@@ -90,7 +104,7 @@ def _eval(node: ast.AST) -> Number:
             return _check(_power(a, b))
         if op in (operator.truediv, operator.floordiv, operator.mod):
             return _check(_divide(op, a, b))
-        if op is operator.mul and _digits(a) + _digits(b) > MAX_DIGITS + 1:
+        if op is operator.mul and a and b and _too_big(_log10(a) + _log10(b)):
             raise CalculatorError(f"the result has more than {MAX_DIGITS} digits")
         return _check(op(a, b))
     raise CalculatorError(f"{type(node).__name__} is not arithmetic")
@@ -111,7 +125,12 @@ def calculate(expression: str) -> Number:
         raise CalculatorError(f"cannot parse {text!r}") from None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         raise CalculatorError(f"expression has more than {MAX_NODES} parts")
-    return _eval(tree)
+    try:
+        return _eval(tree)
+    except CalculatorError:
+        raise
+    except (ArithmeticError, TypeError, ValueError) as e:  # what Python refuses, in one line
+        raise CalculatorError(f"cannot compute {text!r}: {type(e).__name__}") from None
 
 
 def format_number(x: Number) -> str:

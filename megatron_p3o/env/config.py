@@ -7,8 +7,9 @@ Why here: the environment stage owns what configures it; the rollout stage nests
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict
+from typing import Any, ClassVar, Dict, Literal, Optional
 
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.fields import check_ranges
@@ -25,10 +26,22 @@ class MultiTurnConfig:
     max_total_tokens: tokens after the prompt, the model's and the environment's together
         (each turn's ``max_new_tokens`` is clamped to what is left; an observation that does not
         fit is cut); ``model.seq_length`` must hold the prompt plus this.
-    tool_timeout_s: how long one ``step`` of the environment may take; past it the episode
-        ends ``tool_error`` with an error observation.
+    tool_timeout_s: how long one ``reset`` or ``step`` of the environment may take; past it
+        its worker process is killed and the episode ends ``tool_error`` (a reset: ``aborted``).
     observation_role: the chat-template role observations are wrapped in (``tool``; ``user``
         for a template without a tool role); no chat template: appended as plain text.
+    concurrency: trajectories in flight at once (each its own coroutine, environment worker
+        and engine slot); the others wait for a place.
+    memory_mb: address-space limit of each environment worker process (0: none); past it an
+        allocation fails inside the step (an error observation).
+    credit: how rewards reach tokens — ``trajectory`` (every policy token of a trajectory
+        gets the advantage of its summed reward) or ``turn`` (each turn's tokens get the
+        advantage of their reward-to-go, discounted by ``discount``:
+        ``megatron_p3o.advantage.turns``).
+    discount: γ of ``credit: turn`` (1: undiscounted reward-to-go).
+    max_trajectory_staleness: a trajectory stops taking turns (``truncated``) once the engine's
+        weights are more than this many versions newer than its oldest policy token (weights
+        pushed while it was out); None: no bound.
     """
 
     env: str = ""
@@ -37,11 +50,20 @@ class MultiTurnConfig:
     max_total_tokens: int = 256
     tool_timeout_s: float = 10.0
     observation_role: str = "tool"
+    concurrency: int = 256
+    memory_mb: int = 4096
+    credit: Literal["trajectory", "turn"] = "trajectory"
+    discount: float = 1.0
+    max_trajectory_staleness: Optional[int] = None
 
     RANGES: ClassVar[Dict[str, str]] = {
         "max_turns": ">= 1",
         "max_total_tokens": ">= 1",
         "tool_timeout_s": "> 0",
+        "concurrency": ">= 1",
+        "memory_mb": ">= 0",
+        "discount": "in [0, 1]",
+        "max_trajectory_staleness": ">= 0",
     }
 
     def __post_init__(self):
@@ -53,9 +75,20 @@ class MultiTurnConfig:
             )
 
 
-def env_factory(cfg: MultiTurnConfig) -> Callable[[], Any]:
-    """A function making one environment per trajectory; the class is imported and one
-    instance made now, so a wrong name or argument is one error at the start."""
+def env_host(cfg: MultiTurnConfig):
+    """Where the environment's episodes run (:class:`~.workers.EnvHost`): the class is
+    imported and one instance made now, so a wrong name or argument is one error at the
+    start; ``async def step`` classes run on the rollout's event loop, others in worker
+    processes."""
+    from megatron_p3o.env.workers import EnvHost, EnvSpec
+
+    cls = env_class(cfg)
+    spec = EnvSpec(cfg.env, dict(cfg.env_args), cfg.memory_mb, 16 * cfg.max_total_tokens)
+    return EnvHost(spec, on_loop=inspect.iscoroutinefunction(getattr(cls, "step", None)))
+
+
+def env_class(cfg: MultiTurnConfig):
+    """The environment class, imported and tried once (its errors name the keys)."""
     mod, name = cfg.env.split(":", 1)
     key = "rollout.multi_turn.env"
     try:
@@ -70,4 +103,4 @@ def env_factory(cfg: MultiTurnConfig) -> Callable[[], Any]:
     for method in ("reset", "step"):
         if not callable(getattr(probe, method, None)):
             raise ConfigError(f"{key}={cfg.env!r} has no {method}() method")
-    return lambda: cls(**args)
+    return cls

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from megatron_p3o.observability.turn_metrics import turn_line
+
 
 def _clock(seconds: float) -> str:
     s = int(round(seconds))
@@ -22,6 +24,7 @@ def step_line(m: Dict, total: Optional[int] = None, eta_s: Optional[float] = Non
         f"step {m['step']:4d}{of}  reward {m['reward_mean']:.3f}  ess {m.get('ess', nan):.3f}  "
         f"|ℓθ−ℓb| {m.get('abs_logprob_diff', nan):.4f}  loss {m.get('loss', nan):+.4f}  "
         f"rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s{eta}"
+        + turn_line(m)
         + (f"  [red]{skip:.0f} optimizer step(s) skipped: non-finite gradients" if skip else "")
         + ("  (R2PO head phase)" if m.get("r2po_head_phase") else "")
     )

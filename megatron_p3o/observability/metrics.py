@@ -262,3 +262,54 @@ def staleness(samples, trained: int) -> Dict[str, float]:
         "staleness_token_max": float(max(tok, default=0)),
         "straddling_frac": straddling / max(len(samples), 1),
     }
+
+
+_DP_SUMS = (
+    "rollout_tokens",
+    "rollout_env_tokens",
+    "dynamic_refilled",
+    "reeval_groups",
+    "replay_groups",
+    "homogeneous_groups",
+    "staleness_tokens",
+)
+# means over tokens: weighted by each rank's token count (ranks hold different counts)
+_DP_TOKEN_MEANS = (("staleness_token_mean", "staleness_tokens"),)
+_DP_MEANS = (
+    "reward_mean",
+    "completion_len",
+    "truncation_rate",
+    "distinct_per_group",
+    "staleness_mean",
+    "straddling_frac",
+    "rollout_s",
+    "rollout_wait_s",
+)
+
+
+def reduce_rollout_metrics(out: Dict[str, float], groups) -> None:
+    """Rollout-side numbers of the whole step, in place: each DP rank rolled out and scored its
+    own prompts (DP group: sums, means — multi-turn's per-trajectory ones included — and the
+    staleness and length maxima over all of them)."""
+    from megatron_p3o.observability.turn_metrics import TURN_MEANS
+
+    dp = groups.layout.dp
+    if not groups.layout.dp_enabled:
+        return
+    keys = _DP_SUMS + _DP_MEANS + TURN_MEANS
+    weighted = [(k, w) for k, w in _DP_TOKEN_MEANS if k in out and w in out]
+    for k, w in weighted:  # Σ over ranks of mean_r · n_r, divided by Σ n_r below
+        out[k] = out[k] * out[w]
+    keys += tuple(k for k, _ in weighted)
+    dev = groups.device
+    t = torch.tensor([float(out.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
+    all_sum(t, groups.dp, "rollout metrics: each DP rank made its own groups")
+    for k, v in zip(keys, t.tolist()):
+        if k in out:
+            out[k] = v if k in _DP_SUMS or k in dict(weighted) else v / dp
+    for k, w in weighted:
+        out[k] = out[k] / max(out[w], 1.0)
+    maxima = ("staleness_max", "staleness_token_max", "completion_len_max")
+    m = torch.tensor([out[k] for k in maxima], dtype=torch.float64, device=dev)
+    all_max(m, groups.dp, "the longest staleness and completion over every rank")
+    out.update(zip(maxima, m.tolist()))

@@ -93,6 +93,11 @@ class RunLog:
         ``log_ratio_hist`` as a W&B histogram."""
         if not self.active:
             return
+        lists = {k: v for k, v in metrics.items() if isinstance(v, list) and k.endswith("_lengths")}
+        for k, v in lists.items():  # per-sample values: a TensorBoard histogram, not a line
+            if v:
+                self.tb.add_histogram(prefix + k, torch_tensor(v), step)
+        metrics = {k: v for k, v in metrics.items() if k not in lists}
         record = {"step": step, **metrics}
         with open(self.run_dir / (jsonl or "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -121,6 +126,12 @@ class RunLog:
         if self.wb is not None:
             self.wb.finish()
             self.wb = None
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def _step_of(line: str) -> float:

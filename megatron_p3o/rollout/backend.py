@@ -85,9 +85,12 @@ class RolloutBackend(abc.ABC):
         ``items`` (multi-turn: one :class:`~megatron_p3o.env.types.EnvItem` per prompt) one
         trajectory per prompt through the same turn loop as the rollouts."""
 
+    eval_turns = None  # evaluation's own view of the turn loop, where it needs one
+
     def _generate(self, engine, prompts, sampling, items) -> List[Sample]:
         if items is not None and self.turns is not None:
-            return self.turns.run(engine, prompts, items, 1, sampling)
+            turns = self.eval_turns or self.turns
+            return turns.run(engine, prompts, items, 1, sampling)
         return engine.generate(prompts, 1, sampling)
 
     def next_batch(self) -> RolloutResult:
@@ -121,7 +124,20 @@ class RolloutBackend(abc.ABC):
 
 class EmbeddedBackend(RolloutBackend):
     """An engine on every rank (transformers, in a chosen precision): the model-parallel ranks
-    of one DP rank hold identical engines with identical seeds and need not talk."""
+    of one DP rank hold identical engines with identical seeds and need not talk. Multi-turn
+    trajectories run on the DP leader only, its peers get them
+    (:class:`~megatron_p3o.rollout.turn_ranks.LeaderTurns`: tools are called once)."""
+
+    def __init__(self, engine, weights, data, score, cfg, shard, start, resume=None, turns=None):
+        g = weights.groups
+        if turns is not None and g.layout.tp * g.layout.pp * g.layout.cp > 1:
+            from megatron_p3o.rollout.turn_ranks import LeaderTurns
+            from megatron_p3o.runtime.parallel import new_object_group
+
+            # the producer thread's and evaluation's exchanges, each over a group of its own
+            turns, self.eval_turns = (LeaderTurns(turns, g, new_object_group())
+                                      for _ in range(2))  # fmt: skip
+        super().__init__(engine, weights, data, score, cfg, shard, start, resume, turns)
 
     def _sync(self, version: int) -> WeightUpdate:
         return LoadWeights(self.weights.full())

@@ -112,6 +112,17 @@ class CentralEngine(RolloutEngine):
             self.weight_version = max(self.weight_version, s.weight_version)
         return samples
 
+    def rollout_turns(self, loop, prompts, items, n, sampling) -> List[Sample]:
+        """Multi-turn: every DP rank's trajectories run on rank 0, each against the server on
+        its own (:func:`~megatron_p3o.rollout.turn_ranks.central_turns`; collective, once per
+        rollout)."""
+        from megatron_p3o.rollout.turn_ranks import central_turns
+
+        samples = central_turns(self, loop, prompts, items, n, sampling)
+        for s in samples:
+            self.weight_version = max(self.weight_version, s.weight_version)
+        return samples
+
     def any_rank(self, flag: bool) -> bool:
         flags = all_gather_objects(
             bool(flag), self.objects, "dynamic-sampling rounds are taken by all ranks or none"

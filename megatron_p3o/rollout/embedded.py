@@ -51,6 +51,7 @@ from torch import Tensor
 
 from megatron_p3o.model.hf.mapping import parse_moe_hf_name
 from megatron_p3o.rollout.engine import Bucket, RolloutEngine
+from megatron_p3o.rollout.sampling import sampling_logprobs
 from megatron_p3o.types import Sample, SamplingParams
 from megatron_p3o.weight_sync.fp8 import FP8_LINEARS as _FP8_LINEARS
 from megatron_p3o.weight_sync.fp8 import FP8_MAX, quant_dequant_block
@@ -100,27 +101,6 @@ def fp8_activation_quant(x: Tensor, group: int = 128) -> Tensor:
 def fp8_kv_round(x: Tensor) -> Tensor:
     """K/V values stored as e4m3 with scale 1.0 (clamped to ±448)."""
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float().to(x.dtype)
-
-
-def _truncate(z: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Logits ``[B, V]`` with the tokens outside top-k / the top-p nucleus set to −inf."""
-    if top_k and top_k < z.shape[-1]:
-        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_z, idx = torch.sort(z, dim=-1, descending=True)
-        probs = torch.softmax(sorted_z, -1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (torch.cumsum(probs, -1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
-    return z
-
-
-def sampling_logprobs(logits: Tensor, sampling: SamplingParams) -> Tensor:
-    """log of the distribution sampled from, ``[B, V]`` fp32."""
-    z = logits.float() / sampling.temperature
-    return torch.log_softmax(_truncate(z, sampling.top_k, sampling.top_p), -1)
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -462,6 +442,15 @@ class EmbeddedEngine(RolloutEngine):
                     )
                 )
         return samples
+
+    def turn_server(self, slots: int, max_len: int):
+        """Multi-turn: every trajectory keeps its KV cache between turns, one forward per tick
+        for all of them (:mod:`megatron_p3o.rollout.embedded_turns`)."""
+        from megatron_p3o.rollout.embedded_turns import SlotTurnServer
+
+        if self.weight_version < 0:
+            raise RuntimeError("turn_server: no weights loaded (call update_weights first)")
+        return SlotTurnServer(self, slots, max_len)
 
     @torch.no_grad()
     def score(

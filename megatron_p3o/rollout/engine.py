@@ -33,6 +33,21 @@ class RolloutEngine(abc.ABC):
         key per prompt (multi-turn: every turn of a trajectory carries its prompt's, so a router
         sends it to the server that holds its prefix); engines without a router ignore it."""
 
+    def generate_turn(
+        self, ids: Sequence[int], sampling: SamplingParams, key: Optional[str] = None
+    ) -> Sample:
+        """One completion of ``ids``: one turn of a multi-turn trajectory (an engine that can
+        abort a request returns ``finish_reason`` "abort" instead of raising)."""
+        return self.generate([ids], 1, sampling, None if key is None else [key])[0]
+
+    def turn_server(self, slots: int, max_len: int):
+        """The multi-turn loop's access to this engine (:mod:`.turn_server`): ``slots``
+        trajectories at once, sequences up to ``max_len`` tokens. By default each turn is one
+        :meth:`generate_turn` call from a pool of ``slots`` threads."""
+        from megatron_p3o.rollout.turn_server import ThreadedTurnServer
+
+        return ThreadedTurnServer(self, slots)
+
     @abc.abstractmethod
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Load HF-named tensors (buckets from ``weight_sync``) and set the weight version."""

@@ -205,8 +205,10 @@ class RolloutScheduler:
         return res
 
     def _raise_producer_error(self, j: int) -> None:
-        if isinstance(self._error, UserError):
-            raise self._error from None  # bad rollout data: the user's message
+        from megatron_p3o.runtime.preemption import RolloutInterrupted
+
+        if isinstance(self._error, (UserError, RolloutInterrupted)):
+            raise self._error from None  # bad rollout data: the user's message; a stop signal
         if self._error is not None:
             raise RuntimeError(f"rollout producer failed on batch {j}") from self._error
         if self._thread is not None and not self._thread.is_alive():

@@ -1,278 +1,207 @@
-"""Multi-turn rollouts, token in and token out: the engine's tokens are kept exactly as it
-sampled them, and nothing is ever decoded and encoded again.
+"""Multi-turn rollouts, token in and token out, one coroutine per trajectory.
 
-Why: the ratio πθ/πb must be taken on the tokens the engine sampled. A loop that renders the
-conversation to text and re-tokenizes it between turns trains on other tokens than were sampled
-— BPE is not a bijection (a sampled ``1``·``79``·``1`` re-encodes as ``17``·``9``·``1``), a chat
-template may rewrite the history — and one misaligned token moves P3O's e_B for the whole step.
-So a trajectory is append-only: the model's tokens as generated (``Sample.policy_mask`` 1, their
-log-probs and weight versions), then each observation and the chat template's pieces around it,
-encoded once when appended (mask 0, log-prob 0, version −1). Every turn's input is the previous
-input, the engine's output and the appended ids (the prefix invariant, tested).
+Why token in, token out: the ratio πθ/πb must be taken on the tokens the engine sampled. A loop
+that renders the conversation to text and re-tokenizes it between turns trains on other tokens
+than were sampled — BPE is not a bijection (a sampled ``1``·``79``·``1`` re-encodes as
+``17``·``9``·``1``), a chat template may rewrite the history — and one misaligned token moves
+P3O's e_B for the whole step. So a trajectory is append-only (:mod:`.trajectory`): every turn's
+input is the previous input, the engine's output and the appended ids (the prefix invariant).
 
-The template pieces (:class:`ChatPieces`: what closes the model's turn, what opens and closes an
-observation and opens the next model turn) are computed once from the tokenizer's chat template
-and checked against a full render of a conversation.
+Why a coroutine per trajectory: agentic work is mostly waiting — on tools, on the engine. Each
+trajectory advances when its own engine turn and its own environment step return; nothing waits
+for the slowest trajectory of the batch (the lock-step loop this replaced took 3.25× as long on
+tools of random latency, ``benchmarks/bench_multiturn.py``). ``rollout.multi_turn.concurrency``
+trajectories are in flight at once. The engine serves concurrent turns its own way
+(:mod:`.turn_server`): SGLang batches its requests continuously; the embedded engine batches
+every waiting trajectory in one forward and keeps each one's KV cache between its turns.
 
-Turns are synchronous across trajectories: every active trajectory's next turn is one
-``engine.generate`` call, made by every rank the same number of times (``engine.any_rank``: a
-central server's generate is a collective). Each trajectory's budget (``max_total_tokens``)
-clamps its turn afterwards: sampling is autoregressive, so the first k tokens of a longer draw
-are a draw with ``max_new_tokens = k``. Environment steps of a turn run concurrently, each
-bounded by ``tool_timeout_s``.
+Environments run outside the trainer's process (:mod:`megatron_p3o.env.workers`): a step past
+``tool_timeout_s`` kills its worker and ends the episode ``tool_error``. A stop signal ends the
+rollout: every trajectory is cancelled, every busy worker killed, and
+:class:`~megatron_p3o.runtime.preemption.RolloutInterrupted` raised (the run checkpoints its
+last step; the batch is made again on resume).
 
-Statuses (``Sample.meta["status"]``): ``completed`` (the environment ended it),
-``truncated`` (``max_turns`` or ``max_total_tokens``; trained like a completion cut by
-``max_new_tokens``: ``batch.mask_truncated`` drops it), ``tool_error`` (a step ran past its
-timeout: ended with an error observation; its turns are trained, reward as the environment
-gave), ``aborted`` (the environment's reset failed or the engine aborted: never trained, mask 0,
-reward 0).
+Random streams: each trajectory turn samples with a seed of its own (the batch's seed, the
+trajectory's index, the turn), so no trajectory's draws depend on when others finish.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, List, Optional, Sequence
+from dataclasses import replace
+from typing import List, Optional, Sequence
 
 from megatron_p3o.env.config import MultiTurnConfig
 from megatron_p3o.env.types import EnvItem, StepResult
-from megatron_p3o.rollout.engine import RolloutEngine
+from megatron_p3o.rollout.chat_pieces import ChatPieces, encode_observation
 from megatron_p3o.rollout.sglang.protocol import routing_key
-from megatron_p3o.runtime.errors import ConfigError
+from megatron_p3o.rollout.trajectory import Trajectory
+from megatron_p3o.runtime.errors import UserError
 from megatron_p3o.types import Sample, SamplingParams
 
-ENV_VERSION = -1  # the weight version of a token the environment wrote
-STATUSES = ("completed", "truncated", "tool_error", "aborted")
-_A, _O = "\x01ASSISTANT\x01", "\x02OBSERVATION\x02"  # sentinels rendered through the template
+POLL_S = 0.2  # how often a rollout looks for a stop signal
 
 
-@dataclass(frozen=True)
-class ChatPieces:
-    """Token ids the chat template puts around an observation.
-
-    turn_end: closes the model's turn when it stopped without it (length); ``()`` when the
-        stop token itself closes the turn. obs_open / obs_close: before and after the
-        observation's text (``obs_close`` ends with the opening of the next model turn)."""
-
-    turn_end: tuple = ()
-    obs_open: tuple = ()
-    obs_close: tuple = ()
-
-    @classmethod
-    def from_tokenizer(cls, tok, role: str = "tool", chat: bool = True) -> "ChatPieces":
-        """From the chat template (none, or ``chat`` False: observations as plain text)."""
-        if not chat or not getattr(tok, "chat_template", None):
-            return cls()
-        user = [{"role": "user", "content": "u"}]
-        turn = [*user, {"role": "assistant", "content": _A}]
-        full = [*turn, {"role": role, "content": _O}]
-        try:
-            one = tok.apply_chat_template(turn, tokenize=False)
-            two = tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template that has no such role
-            raise ConfigError(
-                f"rollout.multi_turn.observation_role={role!r}: the tokenizer's chat template "
-                f"cannot render it ({type(e).__name__}: {e})"
-            ) from None
-        if _O not in two or not two.startswith(one) or _A not in one:
-            raise ConfigError(
-                f"rollout.multi_turn.observation_role={role!r}: the chat template renders a "
-                "conversation that does not extend the previous one (it rewrites the history)"
-            )
-        end_text = one[one.index(_A) + len(_A) :]
-        open_text = two[len(one) : two.index(_O)]
-        close_text = two[two.index(_O) + len(_O) :]
-
-        def enc(text):
-            return tuple(tok.encode(text, add_special_tokens=False))
-
-        pieces = cls(enc(end_text), enc(open_text), enc(close_text))
-        pieces.check(tok, role)
-        return pieces
-
-    def check(self, tok, role: str) -> None:
-        """The pieces' text, with a turn and an observation between them, is the template's
-        own render of that conversation."""
-        a, o = "<calc>1+2</calc>", "3"
-        msgs = [
-            {"role": "user", "content": "u"},
-            {"role": "assistant", "content": a},
-            {"role": role, "content": o},
-        ]
-        want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        head = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
-        got = (
-            head
-            + a
-            + "".join(
-                tok.decode(list(p), skip_special_tokens=False)
-                for p in (self.turn_end, self.obs_open)
-            )
-            + o
-            + tok.decode(list(self.obs_close), skip_special_tokens=False)
-        )
-        if got != want:
-            raise ConfigError(
-                "rollout.multi_turn: the chat template's pieces around an observation do not "
-                f"reproduce its render ({got!r} != {want!r})"
-            )
+class AllAborted(UserError, RuntimeError):
+    """Every trajectory of a rollout was aborted: nothing to train on (the message says why)."""
 
 
-@dataclass
-class _Trajectory:
-    group: int
-    prompt: List[int]
-    env: object
-    ids: List[int] = field(default_factory=list)  # after the prompt
-    mask: List[int] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
-    versions: List[int] = field(default_factory=list)
-    inputs: List[int] = field(default_factory=list)  # each turn's input length (invariant)
-    routes: object = None
-    reward: float = 0.0
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    cut: bool = False
-    status: Optional[str] = None
-    last_turn: tuple = (0, 0, "stop")  # (start, end, finish reason) of the latest model turn
-
-    def append(self, ids, policy: bool, logprobs=None, versions=None) -> None:
-        ids = list(ids)
-        self.ids += ids
-        self.mask += [1 if policy else 0] * len(ids)
-        self.logprobs += list(logprobs) if policy else [0.0] * len(ids)
-        self.versions += list(versions) if policy else [ENV_VERSION] * len(ids)
-
-
-def _call_all(fns: Sequence[Callable[[], object]], timeout_s: float) -> List[tuple]:
-    """Each ``fn()`` in a thread of its own, all bounded by one deadline: ``("ok", value)``,
-    ``("error", exception)`` or ``("timeout", None)``. A thread past the deadline is left
-    behind (Python cannot stop one): its episode ends."""
-    out: List[tuple] = [("timeout", None)] * len(fns)
-
-    def run(i, fn):
-        try:
-            out[i] = ("ok", fn())
-        except Exception as e:  # noqa: BLE001 - becomes an error observation
-            out[i] = ("error", e)
-
-    threads = [threading.Thread(target=run, args=(i, f), daemon=True) for i, f in enumerate(fns)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [o if not t.is_alive() else ("timeout", None) for o, t in zip(out, threads)]
+def turn_seed(batch_seed: Optional[int], k: int, turn: int) -> Optional[int]:
+    """The seed of trajectory ``k``'s turn ``turn`` (None: unseeded)."""
+    if batch_seed is None:
+        return None
+    return ((batch_seed * 1_000_003 + k) * 1009 + turn) % 2**62
 
 
 class TurnLoop:
-    """Runs one environment per trajectory against an engine (:meth:`run`)."""
+    """Runs one environment episode per trajectory against an engine (:meth:`run`)."""
 
-    def __init__(self, cfg: MultiTurnConfig, make_env: Callable[[], object], tok, pieces):
-        self.cfg, self.make_env, self.tok, self.pieces = cfg, make_env, tok, pieces
-        self.eos = tok.eos_token_id
-
-    def encode_observation(self, text) -> List[int]:
-        """An observation's ids, encoded once (bytes that are not UTF-8 are replaced)."""
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return list(self.tok.encode(str(text), add_special_tokens=False))
+    def __init__(self, cfg: MultiTurnConfig, host, tok, pieces: ChatPieces):
+        """``host``: where episodes run (:class:`~megatron_p3o.env.workers.EnvHost`)."""
+        self.cfg, self.host, self.tok, self.pieces = cfg, host, tok, pieces
+        self.last_ticks = 0  # the embedded server's forwards in the last rollout (benchmarks)
 
     def run(
         self,
-        engine: RolloutEngine,
+        engine,
         prompts: Sequence[Sequence[int]],
         items: Sequence[EnvItem],
         n: int,
         sampling: SamplingParams,
     ) -> List[Sample]:
-        """``n`` trajectories per prompt (``group_id`` = prompt index), in group order."""
+        """``n`` trajectories per prompt (``group_id`` = prompt index), in group order. An engine
+        that serves several ranks runs them where it lives (``rollout_turns``)."""
+        route = getattr(engine, "rollout_turns", None)
+        if route is not None:
+            return route(self, prompts, items, n, sampling)
+        return self.run_local(engine, prompts, items, n, sampling)
+
+    def run_local(self, engine, prompts, items, n, sampling) -> List[Sample]:
+        """Every trajectory on this process, against ``engine``."""
+        trajs = [Trajectory(g * n + j, g, list(p)) for g, p in enumerate(prompts) for j in range(n)]
+        if not trajs:
+            return []
+        asyncio.run(self._run(engine, trajs, items, sampling))
+        self._report(trajs, items)
+        return [t.sample() for t in trajs]
+
+    def close(self) -> None:
+        self.host.close()
+
+    # -- the rollout ----------------------------------------------------------------------------
+    async def _run(self, engine, trajs, items, sampling) -> None:
+        from megatron_p3o.runtime.preemption import RolloutInterrupted, signalled
+
         c = self.cfg
-        trajs = [
-            _Trajectory(g, list(p), self.make_env())
-            for g, p in enumerate(prompts)
-            for _ in range(n)
+        longest = max(len(t.prompt) for t in trajs) + c.max_total_tokens
+        server = engine.turn_server(min(c.concurrency, len(trajs)), longest)
+        tasks = [
+            asyncio.ensure_future(self._episode(server, t, items[t.group], sampling)) for t in trajs
         ]
-        firsts = _call_all(
-            [
-                (lambda t=t, k=k: t.env.reset(replace(items[t.group], seed=items[t.group].seed
-                                                      * 1_000_003 + k)))
-                for k, t in enumerate(trajs)
-            ],
-            c.tool_timeout_s,
-        )  # fmt: skip
-        for t, (kind, obs) in zip(trajs, firsts):
+        try:
+            pending = set(tasks)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=POLL_S,
+                                                return_when=asyncio.FIRST_EXCEPTION)  # fmt: skip
+                failed = [x for x in tasks if x.done() and x.exception() is not None]
+                if failed:
+                    raise failed[0].exception()
+                if pending and signalled():
+                    raise RolloutInterrupted("a stop signal arrived during a multi-turn rollout")
+        except BaseException:
+            for x in tasks:
+                x.cancel()
+            self.host.interrupt()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            self.last_ticks = getattr(server, "ticks", 0)
+            server.close()
+
+    async def _episode(self, server, t: Trajectory, item: EnvItem, sampling) -> None:
+        c = self.cfg
+        await server.admit(t.index)
+        ep = self.host.episode()
+        try:
+            seeded = replace(item, seed=item.seed * 1_000_003 + t.index)
+            t0 = time.monotonic()
+            kind, val = await ep.reset(seeded, c.tool_timeout_s)
+            t.env_s += time.monotonic() - t0
             if kind != "ok":
-                t.status = "aborted"
-            elif obs is not None:
-                self._observe(t, obs, after_turn=False)
-        per_turn = min(sampling.max_new_tokens, c.max_total_tokens)
-        turn = 0
-        active = [t for t in trajs if t.status is None]
-        while turn < c.max_turns and engine.any_rank(bool(active)):
-            seed = None if sampling.seed is None else sampling.seed * 7919 + turn
-            sp = replace(sampling, max_new_tokens=per_turn, seed=seed)
-            for t in active:
-                t.inputs.append(len(t.prompt) + len(t.ids))
-            keys = [routing_key(t.prompt) for t in active]  # a router: the prefix's server
-            outs = engine.generate([t.prompt + t.ids for t in active], 1, sp, keys)
-            stepping = []
-            for t, s in zip(active, outs):
-                if self._take_turn(t, s):
-                    stepping.append(t)
-            texts = [self._turn_text(t) for t in stepping]
-            results = _call_all(
-                [(lambda t=t, x=x: t.env.step(x)) for t, x in zip(stepping, texts)],
-                c.tool_timeout_s,
-            )
-            last = turn + 1 >= c.max_turns
-            for t, (kind, res) in zip(stepping, results):
-                self._after_step(t, kind, res, last)
-            active = [t for t in active if t.status is None]
-            turn += 1
-        for t in active:
-            t.status = "truncated"  # max_turns
-        return [self._sample(t) for t in trajs]
+                why = f"ran past {c.tool_timeout_s:g} s" if kind == "timeout" else f"failed: {val}"
+                t.status, t.error = "aborted", f"reset() {why}"
+                return
+            if val[0] is not None:
+                self._observe(t, val[0], val[1], server.context_length, after_turn=False)
+            key = routing_key(t.prompt)  # a router: the server that holds the prefix
+            while t.status is None:
+                await self._turn(server, ep, t, sampling, key)
+        finally:
+            ep.close()
+            server.release(t.index)
 
-    # -- one turn ---------------------------------------------------------------------------
-    def _take_turn(self, t: _Trajectory, s: Sample) -> bool:
-        """Append the engine's tokens (clamped to the budget); whether the environment steps."""
-        t.turns += 1
-        room = self.cfg.max_total_tokens - len(t.ids)
-        toks, lps, vers = s.completion_ids[:room], s.logprobs[:room], s.versions()[:room]
-        t.append(toks, True, lps, vers)
-        t.last_turn = (len(t.ids) - len(toks), len(t.ids), s.finish_reason)
-        if s.routed_experts is not None:  # [input + output − 1, layers, k] of this call
-            t.routes = s.routed_experts[: len(t.prompt) + len(t.ids) - 1]
-        if s.finish_reason == "abort":
-            t.status = "aborted"
-        elif len(s.completion_ids) > room or len(t.ids) >= self.cfg.max_total_tokens:
-            t.status = "truncated"  # the budget ended the turn
-        return t.status is None
+    async def _turn(self, server, ep, t: Trajectory, sampling, key: str) -> None:
+        c, ctx = self.cfg, server.context_length
+        oldest = t.oldest_version()
+        stale = c.max_trajectory_staleness
+        if t.turns >= c.max_turns:
+            t.status = "truncated"
+            return
+        if stale is not None and oldest is not None and server.weight_version - oldest > stale:
+            t.status, t.stale = "truncated", True
+            return
+        budget = t.turn_budget(sampling.max_new_tokens, c.max_total_tokens, ctx)
+        if budget <= 0:
+            t.status = "truncated"
+            return
+        sp = replace(sampling, max_new_tokens=budget, seed=turn_seed(sampling.seed, t.index,
+                                                                       t.turns))  # fmt: skip
+        t.inputs.append(len(t.prompt) + len(t.ids))
+        t0 = time.monotonic()
+        s = await server.generate(t.index, self.engine_input(t), sp, key)
+        t1 = time.monotonic()
+        t.engine_s += t1 - t0
+        if not t.take_turn(s, budget_left=budget == sampling.max_new_tokens):
+            return
+        kind, val = await ep.step(self._turn_text(t, sampling.stop_token_ids), c.tool_timeout_s)
+        t.env_s += time.monotonic() - t1
+        self._after_step(t, kind, val, ctx, last=t.turns >= c.max_turns)
 
-    def _turn_text(self, t: _Trajectory) -> str:
-        a, b, _ = t.last_turn
+    def engine_input(self, t: Trajectory) -> List[int]:
+        """What the engine is given for the next turn: the trajectory as kept, token for token
+        (a test's control loop re-renders it here to show what that breaks)."""
+        return t.prompt + t.ids
+
+    # -- one turn's environment side ------------------------------------------------------------
+    def _turn_text(self, t: Trajectory, stops) -> str:
+        a, b = t.spans[-1]
         ids = t.ids[a:b]
-        if ids and ids[-1] == self.eos:
+        if ids and ids[-1] in stops:
             ids = ids[:-1]
         # special tokens stay: a tool's tags may be special tokens (the tool task's <calc>)
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def _after_step(self, t: _Trajectory, kind: str, res, last: bool) -> None:
-        if kind == "timeout":
+    def _after_step(self, t: Trajectory, kind: str, val, ctx, last: bool) -> None:
+        if kind in ("timeout", "died"):  # the worker was killed or died: its state is gone
             t.tool_errors += 1
-            self._observe(t, f"error: the tool ran past {self.cfg.tool_timeout_s:g} s")
-            t.status = "tool_error"
+            t.turn_rewards.append(0.0)
+            why = (f"the tool ran past {self.cfg.tool_timeout_s:g} s" if kind == "timeout"
+                   else str(val))  # fmt: skip
+            self._observe(t, f"error: {why}", False, ctx)
+            if t.status is None:
+                t.status = "tool_error"
             return
-        if kind == "error":
+        cut = False
+        if kind == "error":  # the step raised: an error observation, the episode goes on
             t.tool_errors += 1
-            res = StepResult(observation=f"error: {type(res).__name__}: {res}", tool_error=True)
-        if not isinstance(res, StepResult):
-            res = StepResult(observation=f"error: step() returned {type(res).__name__}")
-        t.reward += float(res.reward)
+            res = StepResult(observation=f"error: {val}", tool_error=True)
+        else:
+            res, cut = val
+            if isinstance(res, str):  # step() returned something else
+                res = StepResult(observation=f"error: {res}", tool_error=True)
+        t.turn_rewards.append(float(res.reward))
         t.tool_calls += res.tool_calls
         t.tool_errors += int(res.tool_error and kind == "ok")
         if res.done:
@@ -280,16 +209,18 @@ class TurnLoop:
         elif last:
             t.status = "truncated"  # no turn left to answer the observation
         elif res.observation is not None:
-            self._observe(t, res.observation)
+            self._observe(t, res.observation, cut, ctx)
 
-    def _observe(self, t: _Trajectory, text, after_turn: bool = True) -> None:
+    def _observe(self, t: Trajectory, text: str, cut: bool, ctx, after_turn: bool = True) -> None:
         """Append an observation with the template's pieces, cut to the budget (keeping room
         for one model token); marks the trajectory when cut, ends it when nothing fits."""
         p = self.pieces
-        closing = list(p.turn_end) if after_turn and t.last_turn[2] != "stop" else []
-        head, tail = closing + list(p.obs_open), list(p.obs_close)
-        body = self.encode_observation(text)
-        room = self.cfg.max_total_tokens - len(t.ids) - len(head) - len(tail) - 1
+        head = (list(p.closing(t.last_finish)) if after_turn else []) + list(p.obs_open)
+        tail = list(p.obs_close)
+        body = encode_observation(self.tok, text)  # the text was cut to size in the worker
+        room = t.turn_budget(self.cfg.max_total_tokens, self.cfg.max_total_tokens, ctx)
+        room -= len(head) + len(tail) + 1
+        t.cut = t.cut or cut
         if room < len(body):
             t.cut = True
             if room < 0:
@@ -298,38 +229,31 @@ class TurnLoop:
             body = body[:room]
         t.append(head + body + tail, False)
 
-    def _sample(self, t: _Trajectory) -> Sample:
-        policy = [v for v, m in zip(t.versions, t.mask) if m]
-        mask = t.mask if t.status != "aborted" else [0] * len(t.mask)
-        return Sample(
-            prompt_ids=t.prompt,
-            completion_ids=t.ids,
-            logprobs=t.logprobs,
-            finish_reason={"completed": "stop", "aborted": "abort"}.get(t.status, "length"),
-            weight_version=min(policy) if policy else 0,
-            group_id=t.group,
-            reward=t.reward if t.status != "aborted" else 0.0,
-            meta={
-                "status": t.status,
-                "turns": t.turns,
-                "tool_calls": t.tool_calls,
-                "tool_errors": t.tool_errors,
-                "observation_cut": t.cut,
-                "turn_inputs": t.inputs,
-            },
-            routed_experts=t.routes,  # the batch's grid holds −1 past them
-            token_versions=t.versions,
-            policy_mask=mask,
-        )
+    def _report(self, trajs: List[Trajectory], items: Sequence[EnvItem]) -> None:
+        """One line for the rollout's aborted trajectories: the environment, the first one's
+        item and reason, how many trajectories and items; every trajectory aborted is an
+        error."""
+        aborted = [t for t in trajs if t.status == "aborted"]
+        if not aborted:
+            return
+        it = items[aborted[0].group]
+        n_items = len({t.group for t in aborted})
+        line = (f"rollout.multi_turn.env={self.cfg.env}: data item {it.index} "
+                f"({it.prompt[:60]!r}): {aborted[0].error}; {len(aborted)} of {len(trajs)} "
+                f"trajectories ({n_items} items) aborted")  # fmt: skip
+        if len(aborted) == len(trajs):
+            raise AllAborted(f"every trajectory of the rollout was aborted: {line}")
+        print(f"warning: {line}, not trained", file=sys.stderr, flush=True)
 
 
-def build_turn_loop(cfg: Optional[MultiTurnConfig], tok, chat: bool) -> Optional[TurnLoop]:
+def build_turn_loop(cfg: Optional[MultiTurnConfig], tok, chat: bool,
+                    stop_ids: Sequence[int] = ()) -> Optional[TurnLoop]:  # fmt: skip
     """The loop ``rollout.multi_turn`` describes (None without it): the environment class
     imported and tried once, the template pieces computed and checked (``chat``:
-    ``data.chat_template``)."""
+    ``data.chat_template``; ``stop_ids``: the tokens that end a model turn)."""
     if cfg is None:
         return None
-    from megatron_p3o.env.config import env_factory
+    from megatron_p3o.env.config import env_host
 
-    pieces = ChatPieces.from_tokenizer(tok, cfg.observation_role, chat)
-    return TurnLoop(cfg, env_factory(cfg), tok, pieces)
+    pieces = ChatPieces.from_tokenizer(tok, cfg.observation_role, chat, stop_ids)
+    return TurnLoop(cfg, env_host(cfg), tok, pieces)

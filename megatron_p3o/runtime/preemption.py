@@ -21,6 +21,7 @@ command resumes from the checkpoint.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,6 +33,18 @@ from megatron_p3o.runtime.collectives import all_max
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; rerun to resume
 STOP_FILE = "STOP"
 _REASONS = {1: "signal", 2: "run.exit_after_minutes", 3: STOP_FILE}
+_SIGNALLED = threading.Event()  # a stop signal arrived: work that can be abandoned stops
+
+
+def signalled() -> bool:
+    """Whether a stop signal reached this process (a multi-turn rollout polls this and stops
+    its trajectories, killing their tools: :class:`RolloutInterrupted`)."""
+    return _SIGNALLED.is_set()
+
+
+class RolloutInterrupted(Exception):
+    """A rollout abandoned because a stop signal arrived; the run checkpoints its last finished
+    step and exits, and the resumed run makes this batch again."""
 
 
 class GracefulStop:
@@ -50,6 +63,7 @@ class GracefulStop:
             None if exit_after_minutes is None else time.monotonic() + 60.0 * exit_after_minutes
         )
         self.signal: Optional[str] = None
+        _SIGNALLED.clear()
         self._old = {}
         for name in signals:
             sig = getattr(signal, name)
@@ -57,6 +71,7 @@ class GracefulStop:
 
     def _record(self, signum, frame) -> None:
         self.signal = self.signal or signal.Signals(signum).name
+        _SIGNALLED.set()
 
     @property
     def stop_file(self) -> Path:
@@ -81,6 +96,7 @@ class GracefulStop:
         return self.signal if c == 1 and self.signal else _REASONS[c]
 
     def close(self) -> None:
+        _SIGNALLED.clear()
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}

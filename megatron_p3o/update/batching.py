@@ -131,7 +131,8 @@ def _response(
     # nearest either way.
     plen = np.fromiter((len(s.prompt_ids) for s in samples), np.int64, n)
     clen = np.fromiter((len(s.completion_ids) for s in samples), np.int64, n)
-    adv = np.asarray(advantages, dtype=np.float64).reshape(n)
+    per_token = any(isinstance(a, (list, tuple)) for a in advantages)  # multi-turn credit: turn
+    adv = np.zeros(n) if per_token else np.asarray(advantages, dtype=np.float64).reshape(n)
     keep = (clen > 0) & ~np.isnan(adv)
     if mask_truncated:
         keep &= np.fromiter((s.finish_reason != "length" for s in samples), bool, n)
@@ -150,7 +151,12 @@ def _response(
         np.float32,
     )
     grid[1][live] = np.fromiter(chain.from_iterable(s.logprobs for s in kept), np.float32)
-    grid[2] = np.where(live, adv.astype(np.float32)[:, None], np.float32(0.0))
+    if per_token:  # one value per completion token (its turn's); a scalar for every token
+        rows = (a if isinstance(a, (list, tuple)) else (a,) * int(c)
+                for a, c, k in zip(advantages, clen, keep.tolist()) if k)  # fmt: skip
+        grid[2][live] = np.fromiter(chain.from_iterable(rows), np.float32)
+    else:
+        grid[2] = np.where(live, adv.astype(np.float32)[:, None], np.float32(0.0))
     first = np.asarray(starts, dtype=np.int64).reshape(n) + plen - 1  # each completion's row
     index = np.where(live, first[:, None] + col[None, :], 0)
     mask, blp, adv = torch.from_numpy(grid)
@@ -206,7 +212,7 @@ def padded_microbatches(
         raise ValueError(
             f"{len(samples)} samples do not split into micro-batches of {micro_batch_size}"
         )
-    adv = [float(a) for a in advantages]
+    adv = [a if isinstance(a, (list, tuple)) else float(a) for a in advantages]
     out = []
     for k in range(0, len(samples), micro_batch_size):
         part = samples[k : k + micro_batch_size]
@@ -312,8 +318,12 @@ class MicroBatcher:
         m-th consecutive slice of this rank's samples."""
         n_steps = self.cfg.minibatches
         per = len(samples) // n_steps
-        # floats, read at once from a tensor (the same values as float() of each element)
-        adv = advantages.tolist() if torch.is_tensor(advantages) else [float(a) for a in advantages]
+        # floats, read at once from a tensor (the same values as float() of each element); a
+        # list per sample under multi-turn turn credit
+        if torch.is_tensor(advantages):
+            adv = advantages.tolist()
+        else:
+            adv = [a if isinstance(a, (list, tuple)) else float(a) for a in advantages]
         steps, stats = [], []
         for m in range(n_steps):
             sl = slice(m * per, (m + 1) * per)

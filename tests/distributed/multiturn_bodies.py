@@ -68,10 +68,15 @@ def tool_model(groups, tok_dir: str, out: str, seed: int = 0, peaked: bool = Fal
     return len(tok)
 
 
-def embedded_rollout(groups, ckpt: str, n_prompts: int = 16, n: int = 3, turns: int = 3):
-    """Trajectories from the fp32 embedded engine holding the checkpoint's weights, against the
-    echo environment of tests/unit/test_multiturn.py (every episode ``turns`` turns)."""
+def embedded_rollout(groups, ckpt: str, n_prompts: int = 16, n: int = 3, turns: int = 3,
+                     env: str = "EchoEnv", env_args=None, pushes=()):  # fmt: skip
+    """Trajectories from the fp32 embedded engine holding the checkpoint's weights, against an
+    environment of tests/envs.py (EchoEnv: every episode ``turns`` turns), and the prefix
+    invariant over them. ``pushes``: (tick, version) pairs — a weight push lands before that
+    tick of the engine's multi-turn server (the same weights under a new version: the caches
+    are recomputed, ℓb stay on policy)."""
     from megatron_p3o.rollout.embedded import EmbeddedEngine
+    from tests.turn_recording import prefix_violations, record_turns
 
     hf = Path(ckpt) / "hf"
     import json
@@ -80,54 +85,51 @@ def embedded_rollout(groups, ckpt: str, n_prompts: int = 16, n: int = 3, turns: 
 
     cfg = json.loads((hf / "config.json").read_text())
     engine = EmbeddedEngine(cfg, "fp32", pad_token_id=cfg["pad_token_id"])
-    engine.update_weights([sorted(load_file(str(hf / "model.safetensors")).items())], 0)
-    calls = record_calls(engine)
-    samples = rollout(engine, str(hf), n_prompts, n, turns)
-    return samples, prefix_violations(samples, calls, str(hf))
-
-
-def record_calls(engine) -> list:
-    """Wrap ``engine.generate``: every call's (inputs, outputs) recorded, in row order."""
-    calls, real = [], engine.generate
-
-    def generate(prompts, n, sampling, keys=None):
-        out = real(prompts, n, sampling, keys)
-        calls.append(([list(p) for p in prompts], [list(s.completion_ids) for s in out]))
-        return out
-
-    engine.generate = generate
-    return calls
-
-
-def prefix_violations(samples, calls, tok_dir: str) -> dict:
-    """The prefix invariant over every turn of every trajectory: each call's input is the
-    previous input + the engine's output + the appended observation ids (``violations``); the
-    control re-renders each conversation's text and re-tokenizes it (``retokenized``: how many
-    trajectories come out as other tokens than the engine sampled)."""
+    weights = sorted(load_file(str(hf / "model.safetensors")).items())
+    engine.update_weights([weights], 0)
+    if pushes:
+        _push_at_ticks(engine, weights, dict(pushes))
+    calls = record_turns(engine)
+    samples = rollout(engine, str(hf), n_prompts, n, turns, env=env, env_args=env_args)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    violations = turns = retokenized = 0
-    rows = {}  # trajectory -> its row in each call (they all stay active: echo environment)
-    for j in range(len(samples)):
-        rows[j] = [(k, j) for k in range(len(calls)) if j < len(calls[k][0])]
-    for j, s in enumerate(samples):
+    inv = prefix_violations(samples, calls)
+    inv["retokenized"] = retokenized(samples, AutoTokenizer.from_pretrained(str(hf)))
+    return samples, inv
+
+
+def retokenized(samples, tok) -> int:
+    """Trajectories whose text, rendered and encoded again, is other tokens than were kept."""
+    n = 0
+    for s in samples:
         seq = s.prompt_ids + s.completion_ids
-        for t, (k, i) in enumerate(rows[j][: s.meta["turns"]]):
-            inp, out = calls[k][0][i], calls[k][1][i]
-            turns += 1
-            a = s.meta["turn_inputs"][t]
-            violations += inp != seq[:a] or seq[a : a + len(out)] != out[: len(seq) - a]
-            if t + 1 < s.meta["turns"]:
-                nxt = calls[rows[j][t + 1][0]][0][i]
-                violations += nxt[: len(inp) + len(out)] != inp + out
-        again = tok.encode(tok.decode(seq, skip_special_tokens=False), add_special_tokens=False)
-        retokenized += again != seq
-    return {"violations": violations, "turns": turns, "retokenized": retokenized,
-            "episodes": len(samples)}  # fmt: skip
+        n += tok.encode(tok.decode(seq, skip_special_tokens=False),
+                        add_special_tokens=False) != seq  # fmt: skip
+    return n
 
 
-def rollout(engine, tok_dir: str, n_prompts: int, n: int, turns: int, max_new_tokens: int = 8):
+def _push_at_ticks(engine, weights, at: dict) -> None:
+    """A push (the same weights as version ``at[tick]``) lands before each listed tick of the
+    multi-turn server: trajectories in a tool call then, or mid-turn."""
+    real = engine.turn_server
+
+    def turn_server(slots, max_len):
+        srv = real(slots, max_len)
+        inner = srv._tick
+
+        def tick_(rows):
+            if srv.ticks in at:
+                engine.update_weights([weights], at[srv.ticks])
+            return inner(rows)
+
+        srv._tick = tick_
+        return srv
+
+    engine.turn_server = turn_server
+
+
+def rollout(engine, tok_dir: str, n_prompts: int, n: int, turns: int, max_new_tokens: int = 8,
+            env: str = "EchoEnv", env_args=None):  # fmt: skip
     """``n`` trajectories of each of ``n_prompts`` held-out prompts through the turn loop."""
     from transformers import AutoTokenizer
 
@@ -135,21 +137,23 @@ def rollout(engine, tok_dir: str, n_prompts: int, n: int, turns: int, max_new_to
     from megatron_p3o.data.tasks import tool_calc
     from megatron_p3o.env.config import MultiTurnConfig
     from megatron_p3o.env.types import EnvItem
-    from megatron_p3o.rollout.turns import ChatPieces, TurnLoop
+    from megatron_p3o.rollout.turns import build_turn_loop
     from megatron_p3o.types import SamplingParams
-    from tests.unit.test_multiturn import EchoEnv
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     rows = tool_calc.splits(100, n_prompts)[1]
     prompts = [encode_prompt(tok, r["prompt"], chat=True) for r in rows]
     items = [EnvItem(i, r["prompt"], r["answer"], i) for i, r in enumerate(rows)]
-    cfg = MultiTurnConfig(env="tests.unit.test_multiturn:EchoEnv", max_turns=turns,
+    args = env_args or {"turns": turns, "reply": "12*3=36"}
+    cfg = MultiTurnConfig(env=f"tests.envs:{env}", env_args=args, max_turns=turns,
                           max_total_tokens=SEQ - 24)  # fmt: skip
-    loop = TurnLoop(cfg, lambda: EchoEnv(turns, reply="12*3=36"), tok,
-                    ChatPieces.from_tokenizer(tok, "tool"))  # fmt: skip
+    loop = build_turn_loop(cfg, tok, True, (tok.eos_token_id,))
     sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
                         stop_token_ids=(tok.eos_token_id,), seed=5)  # fmt: skip
-    return loop.run(engine, prompts, items, n, sp)
+    try:
+        return loop.run(engine, prompts, items, n, sp)
+    finally:
+        loop.close()
 
 
 def on_policy_step(groups, ckpt: str, samples, budget: int = 256):

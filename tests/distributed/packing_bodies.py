@@ -58,11 +58,33 @@ def make_samples(family: str, seed: int = 5):
     return out
 
 
-def advantages_for(objective: str, samples):
+def advantages_for(objective: str, samples, per_token: bool = False):
+    """Per sequence; with ``per_token`` the multi-turn samples get one value per turn on its
+    tokens (``rollout.multi_turn.credit: turn``), as a list per completion token."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     if objective == "oapl":
         return oapl_advantages(rewards, torch.tensor([s.group_id for s in samples])).float()
-    return (rewards - rewards.mean()).float()
+    adv = (rewards - rewards.mean()).float()
+    if not per_token:
+        return adv
+    out = []
+    for i, s in enumerate(samples):
+        span = env_span(len(s.completion_ids))
+        if span is None:
+            out.append(float(adv[i]))
+            continue
+        late = float(adv[i]) * 0.5 - 0.25  # the turn after the observation: another value
+        out.append([float(adv[i]) if j < span.start else late for j in range(len(s.mask()))])
+    return out
+
+
+def advantage_grid(adv, samples, longest: int) -> torch.Tensor:
+    """``[n, longest]`` float64 of :func:`advantages_for`'s per-token form."""
+    grid = torch.zeros(len(samples), longest, dtype=torch.float64)
+    for i, (a, s) in enumerate(zip(adv, samples)):
+        c = len(s.completion_ids)
+        grid[i, :c] = torch.tensor(a if isinstance(a, list) else [a] * c, dtype=torch.float64)
+    return grid
 
 
 def _my_share(samples, adv, groups):
@@ -73,14 +95,14 @@ def _my_share(samples, adv, groups):
 
 def packed_step(
     groups, family, init, out, mode="packed", objective="p3o", balance=True, scope="step",
-    dispatcher="allgather", hyper=None,
+    dispatcher="allgather", hyper=None, per_token=False,
 ):  # fmt: skip
     """One optimizer step's gradients (saved to ``out``) with packed or padded micro-batches."""
     chunks = _build(family, groups, seq=BUDGET, dispatcher=dispatcher)
     load_model_state(chunks, init)
     ddp = wrap_ddp(chunks, groups, OptimConfig())
     samples = make_samples(family)
-    mine, adv = _my_share(samples, advantages_for(objective, samples), groups)
+    mine, adv = _my_share(samples, advantages_for(objective, samples, per_token), groups)
     if mode == "packed":
         cfg = BatchConfig(max_tokens_per_gpu=BUDGET, balance_dp=balance)
     else:
@@ -102,7 +124,8 @@ def packed_step(
     return {"metrics": metrics, "stats": stats, "shapes": shapes}
 
 
-def reference(groups, family, init, compare_dirs=(), objective="p3o", hyper=None):
+def reference(groups, family, init, compare_dirs=(), objective="p3o", hyper=None,
+              per_token=False):  # fmt: skip
     """float64 loss of the whole step from per-sequence forwards; grads vs ``compare_dirs``."""
     from tests.unit.test_objectives import ref_loss
 
@@ -125,7 +148,8 @@ def reference(groups, family, init, compare_dirs=(), objective="p3o", hyper=None
         lb[i, :c] = torch.tensor(s.logprobs, dtype=torch.float64)
         mask[i, :c] = torch.tensor(s.mask(), dtype=torch.float64)  # the policy's tokens
     lp = torch.stack([torch.nn.functional.pad(r, (0, longest - r.numel())) for r in rows])
-    adv = advantages_for(objective, samples).double()
+    adv = advantages_for(objective, samples, per_token)
+    adv = advantage_grid(adv, samples, longest) if per_token else adv.double()
     # ℓold: the recompute at the step's weights is ℓθ itself (objectives that need it)
     lold = lp.detach() if build_objective(objective).needs_old_logprobs else lb
     x = dict(
@@ -189,14 +213,10 @@ def dir_errors(groups, family, a: str, b: str):
 
 
 def rollout_metrics_over_dp(groups, per_rank):
-    """``Trainer._reduce_rollout_metrics`` on this rank's rollout numbers ``per_rank[dp_rank]``
-    (the method reads only ``self.groups`` and its class tables)."""
-    from types import SimpleNamespace
-
-    from megatron_p3o.trainer import Trainer
+    """The trainer's reduction of the step's rollout numbers (``reduce_rollout_metrics``) on
+    this rank's ``per_rank[dp_rank]``."""
+    from megatron_p3o.observability.metrics import reduce_rollout_metrics
 
     out = dict(per_rank[groups.dp_rank])
-    me = SimpleNamespace(groups=groups, **{k: getattr(Trainer, k) for k in dir(Trainer)
-                                           if k.startswith("_DP_")})  # fmt: skip
-    Trainer._reduce_rollout_metrics(me, out)
+    reduce_rollout_metrics(out, groups)
     return out

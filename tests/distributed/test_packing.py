@@ -239,3 +239,28 @@ def test_every_objective_on_a_multi_turn_batch_in_every_layout(
         ), (out, losses[out], ref["loss"])
         bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
         assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("objective", ["p3o", "grpo", "cispo", "gspo_token"])
+def test_turn_level_advantages_on_a_multi_turn_batch_in_every_layout(
+    pools, tmp_path, init_ckpts, objective
+):
+    """Issue 62 (``rollout.multi_turn.credit: turn``): each trajectory's turns carry their own
+    advantage, per token; packed, at TP=2 / PP=2 / CP=2 / DP=2 the loss and every gradient equal
+    the float64 per-sequence reference with the same per-token advantages."""
+    init = init_ckpts("llama")
+    outs, losses = [], {}
+    for layout in LAYOUTS:
+        out = str(tmp_path / _ids(layout))
+        res = _run(pools, layout, init, out, mode="packed", objective=objective, per_token=True)
+        outs.append(out)
+        losses[out] = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
+    ref = pools(2).run(pb.reference, Layout(), family="llama", init=init, compare_dirs=outs,
+                       objective=objective, per_token=True)[0]  # fmt: skip
+    for out in outs:
+        assert losses[out] and all(
+            abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) + 1e-9 for x in losses[out]
+        ), (out, losses[out], ref["loss"])
+        bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+        assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"

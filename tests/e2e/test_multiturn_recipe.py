@@ -46,6 +46,44 @@ def test_a_killed_multi_turn_run_resumes_bitwise(tool_base, tmp_path):
 
 
 @pytest.mark.e2e
+def test_sigterm_during_a_rollout_with_a_hung_tool_saves_and_exits(tool_base, tmp_path):
+    """Issue 62: after step 2 every tool call hangs for good (its timeout 10 minutes away);
+    SIGTERM during the next rollout that calls one: the run stops its trajectories, kills
+    their workers, checkpoints its last step and exits 75 within seconds (a preemption grace
+    is ~30 s); the same command, the tool fixed, resumes there and ends."""
+    import time
+
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    env = ("--set", "rollout.multi_turn.env=tests.envs:CalcHangOnFlag",
+           "--set", f"rollout.multi_turn.env_args={{flag_dir: '{flags}'}}",
+           "--set", "rollout.multi_turn.tool_timeout_s=600")  # fmt: skip
+    cmd = _cmd(tool_base, tmp_path, "hung", 4, *env)
+    took = []
+
+    def hang_then_term(proc):
+        (flags / "hang").touch()
+        deadline = time.monotonic() + 300
+        while not (flags / "hanging").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+        took.append(time.monotonic() - t0)
+
+    rc, log = _run(cmd, tmp_path, "hung", hang_then_term, 1, 0.0)
+    assert rc == 75 and took and took[0] < 15.0, (took, log[-3000:])
+    import re
+
+    (step,) = map(int, re.findall(r"stopped after step (\d+)", log))
+    assert step in (2, 3) and (tmp_path / f"hung/checkpoints/step_{step:06d}").is_dir(), log
+    (flags / "hang").unlink()
+    rc, log = _run(cmd, tmp_path, "hung")
+    assert rc == 0 and "resumed from" in log and f"(step {step})" in log, log[-3000:]
+    assert len(_metrics_lines(tmp_path / "hung")) == 4
+
+
+@pytest.mark.e2e
 def test_the_tool_recipe_trains_exports_and_its_export_answers(tool_base, tmp_path):
     """A few steps, the export loads in transformers with its tokenizer and chat template,
     and `verify` agrees with the trained checkpoint."""

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
-from megatron_p3o.rollout.turns import ENV_VERSION
+from megatron_p3o.rollout.trajectory import ENV_VERSION
 from megatron_p3o.runtime.parallel import Layout
 from megatron_p3o.runtime.ports import free_port
 
@@ -57,16 +57,47 @@ def served_tool(pools, tmp_path_factory):
 
 
 def test_sglang_multiturn_token_in_token_out_and_on_policy(served_tool, pools):
+    """One /generate per trajectory turn, concurrently (the server batches them), tools of
+    random latency, and two pushes of the same weights as new versions while trajectories are
+    out (some in a tool call, some mid-turn): 0 prefix violations over 51 episodes × 3 turns,
+    per-token versions in sampling order, and on policy afterwards."""
+    from transformers import AutoTokenizer
+
+    from tests.turn_recording import prefix_violations, record_turns
+
     fleet, ckpt = served_tool
-    calls = mb.record_calls(fleet)
+    base = sorted(load_file(f"{ckpt}/hf/model.safetensors").items())
+    fleet.update_weights(iter([base]), 1)
+    calls = record_turns(fleet)
+    real, asked, pushers = fleet.generate_turn, [0], []
+    lock = threading.Lock()
+
+    def generate_turn(ids, sampling, key=None):  # a push after the 40th and the 100th turn
+        with lock:
+            asked[0] += 1
+            v = {40: 2, 100: 3}.get(asked[0])
+        if v is not None:
+            pushers.append(threading.Thread(target=fleet.update_weights, args=(iter([base]), v)))
+            pushers[-1].start()
+        return real(ids, sampling, key)
+
+    fleet.generate_turn = generate_turn
+    fleet.workers[0]._request("POST", "/slow_down", {"forward_sleep_time": 0.02})
     try:
-        samples = mb.rollout(fleet, f"{ckpt}/hf", n_prompts=17, n=3, turns=3)
+        samples = mb.rollout(fleet, f"{ckpt}/hf", n_prompts=17, n=3, turns=3,
+                             env="RandomLatency", env_args={"turns": 3, "hi": 0.4})  # fmt: skip
     finally:
-        del fleet.generate  # the recording wrapper (an instance attribute)
-    inv = mb.prefix_violations(samples, calls, f"{ckpt}/hf")
+        fleet.workers[0]._request("POST", "/slow_down", {"forward_sleep_time": None})
+        for t in pushers:
+            t.join(timeout=120)
+        del fleet.turn_server, fleet.generate_turn  # the wrappers (instance attributes)
+    inv = prefix_violations(samples, calls)
     assert inv["episodes"] >= 50 and inv["turns"] >= 150 and inv["violations"] == 0, inv
-    assert inv["retokenized"] >= 1, inv
+    assert mb.retokenized(samples, AutoTokenizer.from_pretrained(f"{ckpt}/hf")) >= 1
     assert all(s.meta["turns"] == 3 for s in samples)
+    spans = [s.policy_versions() for s in samples]
+    assert all(v == sorted(v) for v in spans) and {x for v in spans for x in v} == {1, 2, 3}
+    assert any(len(set(v)) > 1 for v in spans)  # trajectories out while a push landed
     res = pools(1).run(mb.on_policy_step, Layout(), ckpt=ckpt, samples=samples)[0]
     assert res["max_lp_diff"] < 1e-5, res
     assert abs(res["ess"] - 1.0) < 1e-6, res
@@ -84,27 +115,27 @@ def test_a_weight_push_inside_turn_2(served_tool, tmp_path):
     v6 = sorted((n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in base.items())
     fleet.update_weights(iter([sorted(base.items())]), 5)
     server = fleet.workers[0]
-    real, turn1 = fleet.generate, []
+    real, turn1 = fleet.generate_turn, []
 
-    def generate(prompts, n, sampling, keys=None):
+    def generate_turn(ids, sampling, key=None):
         if not turn1:
-            turn1.extend(real(prompts, n, sampling, keys))
-            return turn1
+            turn1.append(real(ids, sampling, key))
+            return turn1[0]
         pusher = threading.Thread(target=lambda: (time.sleep(1.0),
                                                   fleet.update_weights(iter([v6]), 6)))  # fmt: skip
         server._request("POST", "/slow_down", {"forward_sleep_time": 0.1})
         pusher.start()
         try:
-            return real(prompts, n, sampling, keys)
+            return real(ids, sampling, key)
         finally:
             pusher.join(timeout=120)
             server._request("POST", "/slow_down", {"forward_sleep_time": None})
 
-    fleet.generate = generate
+    fleet.generate_turn = generate_turn
     try:
         (s,) = mb.rollout(fleet, hf, n_prompts=1, n=1, turns=2, max_new_tokens=30)
     finally:
-        del fleet.generate
+        del fleet.generate_turn
     n1 = len(turn1[0].completion_ids)
     v = s.token_versions
     obs = v[n1:].index(5) if 5 in v[n1:] else None

@@ -252,3 +252,21 @@ def test_every_collective_goes_through_the_named_helpers():
         params = inspect.signature(f).parameters
         assert "group" in params and params["group"].default is inspect.Parameter.empty, name
         assert "why" in params and params["why"].default is inspect.Parameter.empty, name
+
+
+def _script_cycles(folder: Path) -> List[List[str]]:
+    """Import circles among a folder's scripts, which import each other by bare module name
+    (the script's folder is on ``sys.path``): lazy imports count."""
+    mods = {f.stem: f for f in folder.glob("*.py")}
+    edges = {}
+    for m, f in mods.items():
+        tops = {n.split(".")[0] for _, n in _import_statements(f, m)}
+        edges[m] = {t for t in tops if t in mods} - {m}
+    return _cycles(edges)
+
+
+def test_no_import_circle_among_the_scripts():
+    """Issue 62: no file-level circle anywhere in the tree — benchmarks/ and tools/ included
+    (bench_peer_trl ↔ bench_step_profile and make_base ↔ tool_base were two)."""
+    for folder in ("benchmarks", "tools"):
+        assert not _script_cycles(ROOT / folder), folder

@@ -60,7 +60,7 @@ def _surr(r, A, lo, hi):
 
 def ref_loss(name, x):
     lp, lb, lold, m = x["lp"], x["lb"], x["lold"], x["mask"]
-    A = x["adv"][:, None].expand_as(lp)
+    A = x["adv"] if x["adv"].dim() == 2 else x["adv"][:, None].expand_as(lp)  # per token / seq
     if name == "p3o":
         e = _ess(lp, lb, m)
         cap = torch.clamp(torch.exp(_d(lp, lb, m)).detach(), max=e)

@@ -136,6 +136,7 @@ class SGLangEngine(RolloutEngine):
         self._lock = threading.Lock()  # one recovery at a time
         self._epoch = 0  # bumped by each recovery: requests that failed before it just retry
         self.on_failure: Optional[Callable[[], None]] = None  # a router's: recover its servers
+        self.context_length: Optional[int] = None  # read_context_length
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -298,14 +299,11 @@ class SGLangEngine(RolloutEngine):
 
     def close_stale_session(self) -> None:
         """Before waiting for ``/health``: only ``/end_weight_update`` closes a weight-update
-        session (SGLang 0.5.23), so one that a trainer killed inside a push left open turned
-        every later ``/begin_weight_update`` into a 400 ("a weight-update session is already
-        open"), and the pause before it held every ``/generate``, ``/health``'s own included
-        (it never became healthy). This client opens a session after ``/pause_generation`` and
-        continues only after closing it, so a server whose ``GET /ready`` answers 200 has none
-        of ours open (it answers 503 while paused, and while starting or unhealthy). One that
-        does not gets ``/end_weight_update`` (the answer that none is open is fine) and
-        ``/continue_generation`` (a no-op on a server that was not paused)."""
+        session (SGLang 0.5.23); one a killed trainer left open made every later
+        ``/begin_weight_update`` a 400 and its pause held every ``/generate`` and ``/health``.
+        Sessions open only while paused, so a server whose ``GET /ready`` answers 200 has none
+        (503 while paused, starting or unhealthy); one that does not gets ``/end_weight_update``
+        (none open is fine) and ``/continue_generation`` (a no-op if not paused)."""
         code = self.wait_healthy(self.cfg.startup_timeout_s, "/ready", any_status=True)
         if code in (200, 404):  # ready, or no such route (a router): nothing of ours is open
             return
@@ -319,6 +317,13 @@ class SGLangEngine(RolloutEngine):
         self.continue_generation()
         self._notice(f"not ready (GET /ready: HTTP {code}; paused by a previous trainer?); "
                      f"{closed}generation continued")  # fmt: skip
+
+    def read_context_length(self) -> None:
+        """``GET /server_info``'s ``context_length`` (None if absent): a multi-turn turn never
+        asks past it (SGLang refuses input + ``max_new_tokens`` beyond it with a 400)."""
+        _, info = self._get("/server_info")
+        value = info.get("context_length") if isinstance(info, dict) else None
+        self.context_length = value if type(value) is int and value > 0 else None
 
     def _get(self, path: str):
         """``(HTTP status, answer)`` of ``GET path``; no answer at all is an error."""
@@ -480,6 +485,14 @@ class SGLangEngine(RolloutEngine):
                 out.extend(samples)
                 bar.advance(task, len(samples))
         return out
+
+    def generate_turn(self, ids, sampling: SamplingParams, key: Optional[str] = None) -> Sample:
+        """One ``/generate`` per multi-turn turn (the server batches concurrent turns); an
+        aborted request is a sample with ``finish_reason`` "abort", not an error."""
+        shape = self.cfg.routed_experts
+        body = generate_payload(ids, sampling, sampling.seed, routed_experts=shape is not None)
+        resp = self._post_with_recovery("/generate", body, key)
+        return parse_generate_response(resp, ids, 0, routed_experts=shape, allow_abort=True)
 
     # -- weights ------------------------------------------------------------------------------
     def _post_checked(self, path: str, body: dict):

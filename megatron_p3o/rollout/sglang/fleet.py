@@ -113,6 +113,8 @@ class SGLangFleet(RolloutEngine):
                 self._wait_router_ready()
             for w in attached:
                 w.adopt_layout(self.transport)
+            for w in self.workers:
+                w.read_context_length()
         except BaseException:
             self.stop()
             raise
@@ -194,6 +196,15 @@ class SGLangFleet(RolloutEngine):
         keys: Optional[Sequence[str]] = None,
     ) -> List[Sample]:
         return self.router.generate(prompts, n, sampling, keys)
+
+    def generate_turn(self, ids, sampling: SamplingParams, key: Optional[str] = None) -> Sample:
+        return self.router.generate_turn(ids, sampling, key)
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """The shortest context of the servers (None where none reported one)."""
+        known = [w.context_length for w in self.workers if w.context_length is not None]
+        return min(known) if known else None
 
     def init_weight_update_groups(self, master_address: str, port: int) -> None:
         """One group spanning every server: {trainer rank 0} ∪ server 0's ranks ∪ server 1's …

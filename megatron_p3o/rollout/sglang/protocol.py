@@ -146,8 +146,10 @@ def parse_generate_response(
     prompt_ids: Sequence[int],
     group_id: int,
     routed_experts: Optional[Tuple[int, int]] = None,
+    allow_abort: bool = False,
 ) -> Sample:
-    """One SGLang ``/generate`` response → :class:`Sample` (refuses aborted / non-finite ones);
+    """One SGLang ``/generate`` response → :class:`Sample` (refuses non-finite ones, and aborted
+    ones unless ``allow_abort``: then a sample of what was generated, finish reason "abort");
     ``routed_experts`` = (layers, k) decodes the recorded experts (MoE)."""
     if not isinstance(resp, dict):
         raise EngineResponseError(
@@ -158,6 +160,8 @@ def parse_generate_response(
     rid = meta.get("id", "?")
     fin = meta.get("finish_reason")
     kind = fin.get("type") if isinstance(fin, dict) else fin
+    if kind == "abort" and allow_abort:
+        return Sample(list(prompt_ids), [], [], "abort", 0, group_id, meta={"rid": rid})
     if kind not in ("stop", "length"):
         raise EngineResponseError(
             f"SGLang request {rid} (prompt group {group_id}) finished with "
