@@ -8,8 +8,8 @@ turns, and a multi-turn rollout against a single-turn one of the same policy tok
    whole batch finished its turn (the loop this project ran before issue 62; here the same
    loop behind a per-turn barrier, ``LockStep``). The limit: the slowest trajectory's own
    serial time (its tools' and its engine turns' seconds).
-2. ``embedded`` — the tool recipe's engine (a random Llama of the shipped tool base's shape,
-   the tool task's BPE tokenizer, bf16 as the recipe): ``--episodes`` trajectories of
+2. ``embedded`` — the embedded engine (a random Llama of the shipped tool base's shape, the
+   tool task's BPE tokenizer, ``--precision`` fp32 as before issue 62): ``--episodes`` of
    ``--turns`` turns of ``--turn-tokens`` tokens with ``--obs-tokens``-token observations
    (answered at once), against one generate of ``turns × turn-tokens`` tokens per prompt — the
    same policy tokens. Turns are forced to their full length (no stop token).
@@ -163,7 +163,7 @@ def embedded(tok, a, results):
     from megatron_p3o.types import SamplingParams
 
     model = random_model(tok, Path(tempfile.mkdtemp()))
-    engine = EmbeddedEngine(model[0], "bf16", pad_token_id=tok.pad_token_id)
+    engine = EmbeddedEngine(model[0], a.precision, pad_token_id=tok.pad_token_id)
     engine.update_weights([model[1]], 0)
     rows = tool_calc.splits(2000, a.episodes)[1]
     prompts = [encode_prompt(tok, r["prompt"], chat=True) for r in rows]
@@ -266,6 +266,7 @@ def main():
     ap.add_argument("--sglang", action="store_true", help="also the real SGLang CPU server")
     ap.add_argument("--sglang-n", type=int, default=128)
     ap.add_argument("--parts", default="tools,embedded", help="of tools,embedded")
+    ap.add_argument("--precision", default="fp32", help="the embedded engine's (part 2)")
     a = ap.parse_args()
 
     import warnings
@@ -309,7 +310,8 @@ def main():
         ]
     if "embedded" in results:
         med, tokens, ticks = results["embedded"]
-        table.add_row(f"embedded: single-turn (A) vs multi-turn (B), {tokens['multi'][0]} policy "
+        table.add_row(f"embedded {a.precision}: single-turn (A) vs multi-turn (B), "
+                      f"{tokens['multi'][0]} policy "
                       f"tokens, {tokens['multi'][1]} env tokens, {ticks} forwards",
                       f"{med['single']:.3f}", f"{med['multi']:.3f}",
                       f"{med['multi'] / med['single']:.2f}")  # fmt: skip

@@ -160,26 +160,28 @@ class EnvWorker:
         fut = loop.create_future()
         fd = self.conn.fileno()
 
-        def readable():
+        def answer(why):
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(why)
 
         try:
             self.conn.send((op, payload))
         except (OSError, ValueError) as e:
             self.kill()
             return ("died", f"the environment's worker is gone ({type(e).__name__})")
-        loop.add_reader(fd, readable)
+        loop.add_reader(fd, answer, "ready")
+        late = loop.call_later(timeout_s, answer, "late")
         try:
-            await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
-            self.kill()
-            return ("timeout", None)
+            why = await fut
         except asyncio.CancelledError:
             self.kill()  # an interrupted rollout: the step may never end
             raise
         finally:
+            late.cancel()
             loop.remove_reader(fd)
+        if why == "late":
+            self.kill()
+            return ("timeout", None)
         try:
             return self.conn.recv()
         except (EOFError, OSError):

@@ -73,11 +73,15 @@ class _Cfg:
 _CHUNK_ELEMS = {"cpu": 2**22, "cuda": 2**26}
 
 
-def _chunk_rows(n: int, real: int, chunk_size: Optional[int], device: torch.device) -> int:
-    """Tokens per chunk: ``chunk_size`` if given, capped so a chunk's fp32 logits stay within
-    ``_CHUNK_ELEMS`` (CPU: 16 MB; the unfused kernel's 32 MB blocks otherwise)."""
+def _chunk_rows(n: int, width: int, chunk_size: Optional[int], device: torch.device) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, capped so a chunk's fp32 logits over
+    ``width`` columns stay within ``_CHUNK_ELEMS`` (CPU: 16 MB; the unfused kernel's 32 MB
+    blocks otherwise). The forward passes the shard's width *with* its padding, the same on
+    every TP rank: each chunk ends in a MAX all-reduce over TP, so every rank must cut the same
+    chunks (a padded vocabulary leaves the last rank fewer real rows; sized by those, its chunks
+    paired other tokens in the all-reduce — gloo refuses that, NCCL would not)."""
     elems = _CHUNK_ELEMS.get(device.type, _BLOCK_ELEMS)
-    rows = max(1, elems // max(real, 1))
+    rows = max(1, elems // max(width, 1))
     if chunk_size is not None:
         rows = min(rows, chunk_size)
     return max(1, min(rows, n))
@@ -85,7 +89,8 @@ def _chunk_rows(n: int, real: int, chunk_size: Optional[int], device: torch.devi
 
 def chunk_buffer_bytes(n: int, real: int, device: torch.device, chunk_size=None) -> int:
     """Bytes of one fp32 chunk of logits for ``n`` tokens over ``real`` vocabulary rows: the
-    forward holds one (two with the entropy), the backward one beside its fp32 dW."""
+    forward holds one (two with the entropy), the backward one beside its fp32 dW. Rows sized
+    by ``real`` are at least the forward's (sized by the padded width): an upper bound."""
     return _chunk_rows(n, real, chunk_size, device) * real * 4
 
 
@@ -203,7 +208,7 @@ class _FusedLogprob(torch.autograd.Function):
         local_t = target - start
         in_shard = (local_t >= 0) & (local_t < real)
         local_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
-        rows = _chunk_rows(n, real, cfg.chunk_size, dev)
+        rows = _chunk_rows(n, v_local, cfg.chunk_size, dev)  # alike on every TP rank
         buf = torch.empty(rows, real, dtype=torch.float32, device=dev)
         ebuf = torch.empty_like(buf) if cfg.with_entropy else None
         # rows: Σexp (local), z_y / T, and Σ e^{z−m}(z−m) for the entropy

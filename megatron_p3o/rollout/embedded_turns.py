@@ -53,8 +53,9 @@ def _slot_attention(module, query, key, value, attention_mask, scaling=None, dro
     s, h, d = key.shape[0], query.shape[1], query.shape[-1]
     q = query.new_zeros(s, meta.q_max, h, d)
     q[meta.slot, meta.qpos] = query[0].transpose(0, 1)  # [T, H, d] into its slot's rows
+    n = meta.mask.shape[-1]  # positions written so far, over every slot
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), key, value, attn_mask=meta.mask, scale=scaling,
+        q.transpose(1, 2), key[:, :, :n], value[:, :, :n], attn_mask=meta.mask, scale=scaling,
         enable_gqa=key.shape[1] != h,
     )  # fmt: skip
     return out.transpose(1, 2)[meta.slot, meta.qpos][None], None
@@ -69,13 +70,15 @@ def _register() -> None:
 @dataclass
 class TickMeta:
     """Where each packed token goes: ``slot [T]``, ``pos [T]`` (its position in its sequence),
-    ``qpos [T]`` (its place in its slot's chunk); ``mask [S, 1, q_max, L]``."""
+    ``qpos [T]`` (its place in its slot's chunk); ``mask [S, 1, q_max, n]`` over the first n
+    positions (the longest sequence so far)."""
 
     slot: torch.Tensor
     pos: torch.Tensor
     qpos: torch.Tensor
     q_max: int
     mask: torch.Tensor
+    rows: torch.Tensor  # [kv_heads·T]: each (head, token)'s row in a flattened cache buffer
 
 
 class SlotCache:
@@ -90,9 +93,17 @@ class SlotCache:
     def update(self, key, value, layer_idx, kwargs=None):
         meta: TickMeta = kwargs["p3o_slots"]
         k, v = self.k[layer_idx], self.v[layer_idx]
-        k[meta.slot, :, meta.pos] = key[0].transpose(0, 1).to(k.dtype)
-        v[meta.slot, :, meta.pos] = value[0].transpose(0, 1).to(v.dtype)
+        d = k.shape[-1]
+        k.view(-1, d).index_copy_(0, meta.rows, key[0].reshape(-1, d).to(k.dtype))
+        v.view(-1, d).index_copy_(0, meta.rows, value[0].reshape(-1, d).to(v.dtype))
         return k, v
+
+    def flat_rows(self, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``[kv_heads·T]`` rows of ``(slot, head, pos)`` in a ``[S·H·L, d]`` view, heads
+        outer (the order of ``key[0].reshape(-1, d)``)."""
+        _, h, length, _ = self.k[0].shape
+        heads = torch.arange(h, device=slot.device)
+        return ((slot[None, :] * h + heads[:, None]) * length + pos[None, :]).reshape(-1)
 
 
 @dataclass
@@ -152,6 +163,12 @@ class SlotTurnServer(TurnServer):
     async def generate(self, k, ids, sampling, key=None) -> Sample:
         row = self.rows[k]
         row.ids, row.sampling = list(ids), sampling
+        n = 0
+        for a, b in zip(row.seq, row.ids):  # the cached prefix (a request that rewrote it
+            if a != b:  # recomputes from where they differ)
+                break
+            n += 1
+        del row.seq[n:], row.routes[n:]
         row.out, row.lps, row.vers = [], [], []
         row.gen = None
         if sampling.seed is not None:
@@ -216,15 +233,9 @@ class SlotTurnServer(TurnServer):
             for r in rows:
                 r.seq, r.routes = [], []
         feeds = []
-        for r in rows:
-            want = r.ids + r.out
-            n = 0
-            for a, b in zip(r.seq, want):  # the cached prefix (a request that rewrote it
-                if a != b:  # recomputes from where they differ)
-                    break
-                n += 1
-            del r.seq[n:], r.routes[n:]
-            feeds.append(want[n:])
+        for r in rows:  # what each has not fed: its request's rest, or its newest token
+            n = len(r.seq)
+            feeds.append(r.ids[n:] + r.out if n < len(r.ids) else r.out[n - len(r.ids) :])
         dev = e.device
         lens = [len(f) for f in feeds]
         slot = torch.tensor([r.slot for r, n in zip(rows, lens) for _ in range(n)], device=dev)
@@ -237,14 +248,15 @@ class SlotTurnServer(TurnServer):
         start[[r.slot for r in rows]] = torch.tensor([len(r.seq) for r in rows], device=dev)
         qlen[[r.slot for r in rows]] = torch.tensor(lens, device=dev)
         i = torch.arange(q_max, device=dev)
-        j = torch.arange(self.max_len, device=dev)
+        j = torch.arange(max(len(r.seq) + n for r, n in zip(rows, lens)), device=dev)
         live = i[None, :] < qlen[:, None]  # [S, q]
         mask = (j[None, None, :] <= (start[:, None] + i[None, :])[..., None]) & live[..., None]
         mask[..., 0] |= ~live  # empty query rows attend somewhere (their output is dropped)
-        meta = TickMeta(slot, pos, qpos, q_max, mask[:, None])
+        bias = torch.zeros(mask.shape, dtype=e.dtype, device=dev).masked_fill_(~mask, -torch.inf)
+        meta = TickMeta(slot, pos, qpos, q_max, bias[:, None], self.cache.flat_rows(slot, pos))
         ids = torch.tensor([t for f in feeds for t in f], device=dev)[None]
         last = torch.tensor(lens, device=dev).cumsum(0) - 1
-        with torch.no_grad(), self._attention():
+        with torch.inference_mode(), self._attention():
             out = e.model(input_ids=ids, position_ids=pos[None], cache=self.cache, use_cache=True,
                           logits_to_keep=last, p3o_slots=meta)  # fmt: skip
         routes = e._call_routes(1)  # [1, T, layers, k] of the fed tokens (MoE)
@@ -259,17 +271,35 @@ class SlotTurnServer(TurnServer):
         self._sample(rows, logits)
 
     def _sample(self, rows: List[_Row], logits: torch.Tensor) -> None:
-        e = self.e
-        for idx, r in enumerate(rows):
-            z = logits[idx : idx + 1]
-            if e.logit_noise > 0:  # the engine's own distribution is the perturbed one
-                eps = torch.randn(z.shape, generator=r.gen, device=e.device)
-                z = z.float() + e.logit_noise * eps
-            logp = sampling_logprobs(z, r.sampling)[0]
-            tok = int(torch.multinomial(logp.exp(), 1, generator=r.gen))
+        """One token per row, each drawn with its own generator: a uniform u from the row's
+        stream, then the token whose cumulative probability interval holds it (inverse CDF,
+        batched); its log-prob is under the distribution it was drawn from."""
+        e, dev = self.e, self.e.device
+        z = logits.float()
+        if e.logit_noise > 0:  # the engine's own distribution is the perturbed one
+            eps = torch.stack([torch.randn(z.shape[1:], generator=r.gen, device=dev)
+                               for r in rows])  # fmt: skip
+            z = z + e.logit_noise * eps
+        u = torch.stack([torch.rand((), generator=r.gen, device=dev) for r in rows])
+        toks = torch.empty(len(rows), dtype=torch.long, device=dev)
+        lps = torch.empty(len(rows), dtype=torch.float32, device=dev)
+        by: Dict[tuple, List[int]] = {}
+        for i, r in enumerate(rows):
+            sp = r.sampling
+            by.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(i)
+        for idx in by.values():
+            sel = torch.tensor(idx, device=dev)
+            logp = sampling_logprobs(z[sel], rows[idx[0]].sampling)
+            cdf = logp.exp().cumsum(-1)
+            pick = torch.searchsorted(cdf, (u[sel] * cdf[:, -1])[:, None], right=True)[:, 0]
+            pick = pick.clamp_max(cdf.shape[-1] - 1)
+            toks[sel] = pick
+            lps[sel] = logp.gather(-1, pick[:, None])[:, 0]
+        version = int(e.weight_version)
+        for r, tok, lp in zip(rows, toks.tolist(), lps.tolist()):
             r.out.append(tok)
-            r.lps.append(float(logp[tok]))
-            r.vers.append(int(e.weight_version))
+            r.lps.append(lp)
+            r.vers.append(version)
             sp = r.sampling
             if tok in sp.stop_token_ids or len(r.out) >= sp.max_new_tokens:
                 self._finish(r, "stop" if tok in sp.stop_token_ids else "length")

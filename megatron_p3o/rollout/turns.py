@@ -62,6 +62,7 @@ class TurnLoop:
         """``host``: where episodes run (:class:`~megatron_p3o.env.workers.EnvHost`)."""
         self.cfg, self.host, self.tok, self.pieces = cfg, host, tok, pieces
         self.last_ticks = 0  # the embedded server's forwards in the last rollout (benchmarks)
+        self._encoded: dict = {}  # observation text -> ids (tools repeat their answers)
 
     def run(
         self,
@@ -217,7 +218,11 @@ class TurnLoop:
         p = self.pieces
         head = (list(p.closing(t.last_finish)) if after_turn else []) + list(p.obs_open)
         tail = list(p.obs_close)
-        body = encode_observation(self.tok, text)  # the text was cut to size in the worker
+        body = self._encoded.get(text)  # the text was cut to size in the worker
+        if body is None:
+            body = encode_observation(self.tok, text)
+            if len(self._encoded) < 65536:
+                self._encoded[text] = body
         room = t.turn_budget(self.cfg.max_total_tokens, self.cfg.max_total_tokens, ctx)
         room -= len(head) + len(tail) + 1
         t.cut = t.cut or cut

@@ -156,3 +156,18 @@ def training_steps(groups, family, init, fused, objective="p3o", steps=3, dispat
             out.append({**metrics, "grad_norm": float(gnorm)})
     update = {n: p.detach() - start[n] for n, p in chunks[-1].named_parameters()}
     return {"metrics": out, "update": update, "fused_calls": calls[0]}
+
+
+def padded_chunks_case(groups, elems: int, vocab: int):
+    """:func:`kernel_case` with the chunk budget cut to ``elems`` logits (as a long sequence meets
+    the real one), so a chunk holds a few tokens, over a padded vocabulary: the last TP rank's
+    shard has fewer real rows than the others."""
+    from megatron_p3o.logprob import fused
+
+    old = dict(fused._CHUNK_ELEMS)
+    fused._CHUNK_ELEMS.update(cpu=elems, cuda=elems)
+    try:
+        return kernel_case(groups, 0.7, None, vocab=vocab)
+    finally:
+        fused._CHUNK_ELEMS.clear()
+        fused._CHUNK_ELEMS.update(old)

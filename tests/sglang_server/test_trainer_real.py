@@ -101,3 +101,18 @@ def test_bf16_serving_mismatch_is_at_bf16_level(base, reap):
     print(f"bf16 SGLang serving: first-step mean |ℓθ − ℓb| = {d:.4f}, e_B = {m[0]['ess']:.4f}")
     assert 1e-3 < d < 0.2, d  # bf16 rounding (the embedded bf16 engine: ≈ 0.01), not a bug
     assert 0 < m[0]["ess"] < 1
+
+
+def test_multi_turn_over_two_dp_ranks_runs_on_rank_0_against_one_server(tool_base, tmp_path):
+    """Issue 62: the tool recipe at DP = 2 with one launched SGLang server: rank 0 runs both DP
+    ranks' trajectories against it (one coroutine each, one /generate per turn), each rank
+    trains its own; two steps, every trajectory with at least one turn, the tool called."""
+    try:
+        m, r = _train(tool_base, tmp_path, "mt", "batch.prompts_per_rollout=8",
+                      "data.eval_path=''", nproc=2, steps=2,
+                      recipe="tiny_cpu_tools.yaml")  # fmt: skip
+    finally:
+        kill_launched(tmp_path)
+    assert len(m) == 2 and all(x["mt_turns"] >= 1 for x in m), m
+    assert all(x["rollout_tokens"] > 0 and "mt_ended_aborted" in x for x in m)
+    assert "turns " in r.stdout and "tool errors" in r.stdout
