@@ -44,3 +44,11 @@ class Echo:
         self.n += 1
         done = self.n >= self.turns
         return StepResult(None if done else self.reply, 0.0, done)
+
+
+class EchoOnLoop(Echo):
+    """:class:`Echo` as an ``async def step`` environment: it runs on the rollout's event loop,
+    no worker process (the engine and the loop measured without the isolation's IPC)."""
+
+    async def step(self, turn):
+        return Echo.step(self, turn)

@@ -170,7 +170,7 @@ def embedded(tok, a, results):
     items = [EnvItem(i, r["prompt"], r["answer"], i) for i, r in enumerate(rows)]
     reply = "7" * a.obs_tokens  # byte-level: one token per character here
     total = a.turns * (a.turn_tokens + a.obs_tokens + 4)
-    loop = loop_for(tok, "Echo", {"turns": a.turns, "reply": reply}, a.turns, total, 256)
+    loop = loop_for(tok, a.embedded_env, {"turns": a.turns, "reply": reply}, a.turns, total, 256)
     turn = SamplingParams(max_new_tokens=a.turn_tokens, seed=1)  # no stop: full turns
     whole = SamplingParams(max_new_tokens=a.turns * a.turn_tokens, seed=1)
     times = {"multi": [], "single": []}
@@ -267,6 +267,9 @@ def main():
     ap.add_argument("--sglang-n", type=int, default=128)
     ap.add_argument("--parts", default="tools,embedded", help="of tools,embedded")
     ap.add_argument("--precision", default="fp32", help="the embedded engine's (part 2)")
+    ap.add_argument("--embedded-env", default="Echo", choices=["Echo", "EchoOnLoop"],
+                    help="part 2's environment: in worker processes (as a sync environment "
+                         "runs), or on the event loop (no isolation)")  # fmt: skip
     a = ap.parse_args()
 
     import warnings
@@ -310,8 +313,8 @@ def main():
         ]
     if "embedded" in results:
         med, tokens, ticks = results["embedded"]
-        table.add_row(f"embedded {a.precision}: single-turn (A) vs multi-turn (B), "
-                      f"{tokens['multi'][0]} policy "
+        table.add_row(f"embedded {a.precision} ({a.embedded_env}): single-turn (A) vs "
+                      f"multi-turn (B), {tokens['multi'][0]} policy "
                       f"tokens, {tokens['multi'][1]} env tokens, {ticks} forwards",
                       f"{med['single']:.3f}", f"{med['multi']:.3f}",
                       f"{med['multi'] / med['single']:.2f}")  # fmt: skip

@@ -454,6 +454,10 @@ def dry_run(
     plan = make_plan(cfg, world_size, desc, div)
     lines = format_plan(cfg, plan, desc, gpu_gib)
     lines.append(placement(cfg, world_size, gpus_per_node, nodes))
+    if cfg.rollout.engine == "sglang":  # this machine's driver and GPUs (a login node: none)
+        from megatron_p3o.rollout.sglang.preflight import report
+
+        lines += report()
     if plan.total_gib > HEADROOM * gpu_gib:
         print("\n".join(lines))  # the breakdown, then the one-line refusal on stderr
         raise does_not_fit(cfg, plan, world_size, desc, div, gpu_gib)

@@ -284,11 +284,16 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
                 sg,
                 routed_experts=(hf_config["num_hidden_layers"], hf_config["num_experts_per_tok"]),
             )
+        if resolve_device(sg) != "cpu":  # a driver CUDA 13 cannot use: one line, before launch
+            from megatron_p3o.rollout.sglang.preflight import check_launch
+
+            check_launch()
         if cfg.weight_sync == "distributed":
             _check_nccl(sg)
         check_transport(cfg, sg, groups.device.type == "cuda")
         if cfg.weight_sync == "colocated":  # else /release_memory_occupation frees nothing
-            sg = replace(sg, memory_saver=True)
+            f = _colocated_fraction(sg, groups.device)
+            sg = replace(sg, memory_saver=True, mem_fraction_static=f)
         if cfg.multi_turn is not None:  # every turn to the server that holds its prefix
             sg = replace(sg, sticky_routing=True)
         inner = build_fleet(sg, cfg.sglang_workers, sg.log_dir or log_dir, cfg.weight_sync)
@@ -308,6 +313,25 @@ def _central_engines(cfg: RolloutConfig, groups: ParallelGroups, hf_config: dict
         )
         for _ in range(2)
     )
+
+
+def _colocated_fraction(sg, device) -> float:
+    """The launch fraction that gives the colocated server the GPU share the plan counts: the
+    trainer's model, DDP and optimizer are built before the server starts, and SGLang sizes its
+    pool from the memory free then (:func:`~.sglang.launch.colocated_fraction`; rank 0's GPU,
+    which server rank 0 shares). Without CUDA (a CPU server) the recipe's fraction stands."""
+    import torch
+
+    from megatron_p3o.rollout.sglang.launch import colocated_fraction
+
+    if sg.url is not None or device.type != "cuda":
+        return sg.mem_fraction_static
+    free, total = torch.cuda.mem_get_info(device)
+    f = colocated_fraction(sg.mem_fraction_static, total, free)
+    print(f"colocated SGLang server: --mem-fraction-static {f} of the {free / 2**30:.1f} GiB "
+          f"free gives the planned {sg.mem_fraction_static} of {total / 2**30:.0f} GiB",
+          flush=True)  # fmt: skip
+    return f
 
 
 def _is_local(url: str) -> bool:

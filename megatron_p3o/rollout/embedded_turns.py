@@ -115,6 +115,7 @@ class _Row:
     ids: Optional[List[int]] = None  # the current request's input
     sampling: Optional[SamplingParams] = None
     gen: Optional[torch.Generator] = None
+    u: List[float] = field(default_factory=list)  # the turn's uniforms, drawn at its start
     out: List[int] = field(default_factory=list)
     lps: List[float] = field(default_factory=list)
     vers: List[int] = field(default_factory=list)
@@ -173,6 +174,9 @@ class SlotTurnServer(TurnServer):
         row.gen = None
         if sampling.seed is not None:
             row.gen = torch.Generator(device=self.e.device).manual_seed(sampling.seed)
+        row.u = torch.rand(
+            sampling.max_new_tokens, generator=row.gen, dtype=torch.float64, device=self.e.device
+        ).tolist()  # one per token of the turn
         row.fut = asyncio.get_running_loop().create_future()
         self._kick()
         return await row.fut
@@ -271,16 +275,16 @@ class SlotTurnServer(TurnServer):
         self._sample(rows, logits)
 
     def _sample(self, rows: List[_Row], logits: torch.Tensor) -> None:
-        """One token per row, each drawn with its own generator: a uniform u from the row's
-        stream, then the token whose cumulative probability interval holds it (inverse CDF,
-        batched); its log-prob is under the distribution it was drawn from."""
+        """One token per row, each drawn from its own stream: the turn's next uniform u (drawn
+        when the turn began), then the token whose cumulative probability interval holds it
+        (inverse CDF, batched); its log-prob is under the distribution it was drawn from."""
         e, dev = self.e, self.e.device
         z = logits.float()
         if e.logit_noise > 0:  # the engine's own distribution is the perturbed one
             eps = torch.stack([torch.randn(z.shape[1:], generator=r.gen, device=dev)
                                for r in rows])  # fmt: skip
             z = z + e.logit_noise * eps
-        u = torch.stack([torch.rand((), generator=r.gen, device=dev) for r in rows])
+        u = torch.tensor([r.u[len(r.out)] for r in rows], dtype=torch.float32, device=dev)
         toks = torch.empty(len(rows), dtype=torch.long, device=dev)
         lps = torch.empty(len(rows), dtype=torch.float32, device=dev)
         by: Dict[tuple, List[int]] = {}

@@ -129,13 +129,14 @@ class ColocatedPlan:
         applied there: block FP8, :func:`~.fp8.quantize_named`), None elsewhere."""
         g = weights.groups
         receive = g.rank in self.receivers
+        params = {p.untyped_storage().data_ptr() for c in weights.chunks for p in c.parameters()}
         for seg in self.segments:
             walk = g.rank in seg.walkers
             mine = (
                 iter(iter_hf_tensors(weights.chunks, g, weights.desc, seg.part)) if walk else None
             )
             for metas in seg.buckets:
-                local = _take(mine, metas, g.rank) if walk else None
+                local = _take(mine, metas, g.rank, params) if walk else None
                 named = local if receive and walk else None  # the owner (no one else to send)
                 if g.rank in seg.group_ranks:
                     group = self._groups[seg.group_ranks]
@@ -164,8 +165,11 @@ def _cut(metas: List[Meta], bucket_bytes: int) -> Tuple[Tuple[Meta, ...], ...]:
     return tuple(out)
 
 
-def _take(mine: Iterator, metas: Sequence[Meta], rank: int) -> NamedTensors:
-    """The walk's next ``len(metas)`` tensors, checked against the plan."""
+def _take(mine: Iterator, metas: Sequence[Meta], rank: int, params=frozenset()) -> NamedTensors:
+    """The walk's next ``len(metas)`` tensors, checked against the plan; a tensor that is a
+    parameter's own storage (TP = 1, same dtype: the export's view, ``.contiguous()`` copies
+    nothing) is copied — shared over CUDA IPC, torch keeps a sent-data record per never-freed
+    storage, and past its event limit every share synchronises (issue 63, item 3)."""
     got = []
     for name, shape, dtype in metas:
         item = next(mine, None)
@@ -175,7 +179,10 @@ def _take(mine: Iterator, metas: Sequence[Meta], rank: int) -> NamedTensors:
                 f"rank {rank}: the colocated plan expects {name} {shape} next, the model gives "
                 f"{have}"
             )
-        got.append((name, item[1].detach().to(dtype).contiguous()))
+        t = item[1].detach().to(dtype).contiguous()
+        if t.untyped_storage().data_ptr() in params:
+            t = t.clone()
+        got.append((name, t))
     return got
 
 

@@ -122,14 +122,16 @@ def colocated_push(
         srv = SGLangEngine(SGLangConfig(url=url, tp_size=server_tp, startup_timeout_s=10))
         inner = SGLangFleet(srv, [srv]).start()
     eng = CentralEngine(inner, groups, new_object_group(), "colocated")
-    largest = [0]
+    largest, aliased = [0], [0]
     real = colocated.ColocatedPlan.buckets
     calls: Counter = Counter()
+    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
 
     def counted(*a, **k):
         for b in real(*a, **k):
             if b is not None:
                 largest[0] = max(largest[0], sum(t.numel() * t.element_size() for _, t in b))
+                aliased[0] += sum(t.untyped_storage().data_ptr() in params for _, t in b)
             yield b
 
     def counting(module, name):
@@ -160,7 +162,8 @@ def colocated_push(
                 eng.update_weights_colocated(weights, version, server_tp, bucket_bytes=bucket_bytes)
     plan = eng._plan[1]
     stats = {"calls": dict(calls), "rounds": plan.rounds, "tensors": len(reference),
-             "buckets": sum(len(s.buckets) for s in plan.segments)}  # fmt: skip
+             "buckets": sum(len(s.buckets) for s in plan.segments),
+             "aliased": aliased[0]}  # fmt: skip
     return eng.weight_version, reference if groups.rank == 0 else None, largest[0], stats
 
 

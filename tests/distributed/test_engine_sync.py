@@ -98,6 +98,8 @@ def test_colocated_push_round_trip(pools, world, layout, family, server_tp):
     assert len(pushes) > 1 and all(len(b["serialized_named_tensors"]) == server_tp for b in pushes)
     assert [b["flush_cache"] for b in pushes] == [False] * (len(pushes) - 1) + [True]
     assert pushes[-1]["weight_version"] == "4" and srv.version == "4" and not srv.released
+    # issue 63, item 3: no payload tensor is a parameter's own storage (TP = 1 included)
+    assert all(o[3]["aliased"] == 0 for o in out), [o[3]["aliased"] for o in out]
     for r in range(server_tp):  # each server rank's payloads: the whole model, once
         got = {}
         for b in pushes:

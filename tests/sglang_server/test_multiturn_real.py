@@ -152,3 +152,26 @@ def test_a_weight_push_inside_turn_2(served_tool, tmp_path):
     new = _hf_logprobs(cfg, v6, s.prompt_ids + s.completion_ids[:a], s.completion_ids[a:])
     assert torch.allclose(lb[a : a + k], old[:k], atol=1e-4)
     assert torch.allclose(lb[a + k :], new[k:], atol=1e-4)
+
+
+def test_an_aborted_request_ends_its_trajectory_aborted(served_tool):
+    """The real server's abort (``/abort_request``, every request in flight) reaches the loop as
+    the abort status, not an exception from the client: both trajectories, each inside its
+    first turn (a turn runs its whole 30-token budget at 0.2 s a forward), end ``aborted``, and a
+    rollout with every trajectory aborted is one error naming the environment and the reason."""
+    from megatron_p3o.rollout.turns import AllAborted
+
+    fleet, ckpt = served_tool
+    server = fleet.workers[0]
+    server._request("POST", "/slow_down", {"forward_sleep_time": 0.2})
+    abort = threading.Timer(
+        3.0, lambda: server._request("POST", "/abort_request", {"abort_all": True})
+    )
+    abort.start()
+    try:
+        with pytest.raises(AllAborted, match="the engine aborted the request") as e:
+            mb.rollout(fleet, f"{ckpt}/hf", n_prompts=2, n=1, turns=2, max_new_tokens=30)
+        assert "tests.envs:EchoEnv" in str(e.value) and "2 of 2 trajectories" in str(e.value)
+    finally:
+        abort.join()
+        server._request("POST", "/slow_down", {"forward_sleep_time": None})

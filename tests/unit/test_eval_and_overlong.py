@@ -118,3 +118,17 @@ def test_dataset_names_go_through_datasets(tmp_path, monkeypatch):
         read_dataset("no/such-set-here", "train", "eval.sets.x.path")
     with pytest.raises(InputFileError, match="does not exist"):
         read_dataset(str(tmp_path / "missing.jsonl"))
+
+
+def test_the_overlong_penalty_counts_the_policys_tokens_of_a_trajectory():
+    """Issue 62: a multi-turn trajectory of 20 tokens, 6 of them the policy's: DAPO's penalty
+    (L_max 10, cache 4) counts the 6 — none — not the environment's 14 (−1 if counted)."""
+    from megatron_p3o.reward.overlong import OverlongConfig as Ol
+    from megatron_p3o.trainer import Trainer
+
+    cfg = SimpleNamespace(reward=SimpleNamespace(overlong=Ol(max_len=10, cache=4)))
+    me = SimpleNamespace(turns=object(), cfg=cfg)
+    mask = [1] * 3 + [0] * 14 + [1] * 3
+    s = Sample([1], list(range(20)), [0.0] * 20, "stop", 0, reward=1.0, policy_mask=mask)
+    long = Sample([1], list(range(20)), [0.0] * 20, "stop", 0, reward=1.0, policy_mask=[1] * 20)
+    assert Trainer._score(me, [s, long], ["", ""]) == [1.0, 0.0]

@@ -500,3 +500,40 @@ def test_every_turn_carries_its_prompts_routing_key(tok):
     assert len(seen) == 4 * 2 * 3
     by_prompt = {tuple(p[:10]): routing_key(p) for p in prompts}
     assert all(key == by_prompt[head] for head, key in seen) and len(set(by_prompt.values())) == 4
+
+
+def test_an_engine_abort_ends_its_trajectory_aborted_and_the_others_go_on(tok):
+    """SGLang aborts one trajectory's second turn (``finish_reason`` abort): that trajectory
+    ends ``aborted`` (not an exception that stops the rollout), never trained; the others
+    complete. The stand-in is the one place an abort can be made on one request at will; the
+    real server's abort: tests/sglang_server/test_multiturn_real.py."""
+    from megatron_p3o.rollout.sglang import SGLangConfig, SGLangEngine
+
+    from ..sglang_standin import SGLangStandIn
+
+    call = tok.encode("<calc>1+2</calc>", add_special_tokens=False) + [tok.eos_token_id]
+    assistant = tok.convert_tokens_to_ids("<|assistant|>")
+    prompts, items = prompts_items(tok, 3)
+    doomed = prompts[1]
+
+    def answer(body):
+        ids = body["input_ids"]
+        if ids[: len(doomed)] == doomed and ids.count(assistant) > 1:
+            return [], [], "abort"
+        return call, [-0.5] * len(call), "stop"
+
+    srv = SGLangStandIn(answer)
+    srv.version = "0"
+    loop = make_loop(tok, env_args={"turns": 3}, max_turns=3, max_total_tokens=80)
+    try:
+        out = loop.run(SGLangEngine(SGLangConfig(url=srv.url)), prompts, items, 2,
+                       sampling(tok, 16))  # fmt: skip
+    finally:
+        loop.close()
+        srv.close()
+    for s in out:
+        if s.group_id == 1:
+            assert s.meta["status"] == "aborted" and s.meta["turns"] == 2
+            assert s.meta["error"] == "the engine aborted the request" and not any(s.policy_mask)
+        else:
+            assert s.meta["status"] == "completed" and s.meta["turns"] == 3

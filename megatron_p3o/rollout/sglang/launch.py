@@ -145,6 +145,26 @@ def check_device_flags(cfg: LaunchSettings) -> None:
             raise SGLangSetupError(f"{key} ({flag}) with a CPU SGLang server: {why}")
 
 
+def colocated_fraction(fraction: float, total_bytes: int, free_bytes: int) -> float:
+    """The ``--mem-fraction-static`` that gives a colocated server the pool the plan counts,
+    ``fraction`` × the whole GPU (``train --dry-run``), launched next to a trainer that already
+    holds ``total − free`` bytes. SGLang 0.5.23 sizes weights + KV cache as the fraction × the
+    memory *free when it starts* (``kv_cache_configurator._profile_available_bytes``:
+    free − free_at_start·(1 − f)), so the recipe's fraction alone gave ≈ f·free — with 55 GiB
+    of 80 held and f = 0.3, weights + KV were asked to fit in 7.5 GiB. One line when the
+    planned pool does not fit in what is free (issue 63, item 2)."""
+    planned = fraction * total_bytes
+    if planned > 0.98 * free_bytes:
+        gib = 2**30
+        raise SGLangSetupError(
+            f"rollout.sglang.mem_fraction_static={fraction}: a colocated server's planned "
+            f"{planned / gib:.1f} GiB (the fraction of {total_bytes / gib:.0f} GiB) does not fit "
+            f"in the {free_bytes / gib:.1f} GiB the trainer left free on the GPU; lower it "
+            "(train --dry-run prints the trainer's resident memory)"
+        )
+    return round(planned / free_bytes, 4)
+
+
 def resolve_python(cfg: LaunchSettings) -> str:
     """The SGLang environment's interpreter: ``rollout.sglang.python``, else ``$SGLANG_PYTHON``."""
     py = cfg.python or os.environ.get(PYTHON_ENV)
