@@ -62,6 +62,8 @@ class SGLangStandIn:
         self.version = "default"
         self.in_session = self.paused = False
         self.released: set = set()  # memory tags given back (colocated servers)
+        # set: every POST waits (a scheduler blocked in a weight broadcast whose trainer died)
+        self.blocked = threading.Event()
         self.generated, self.loads, self.refused = 0, [], 0
         outer = self
 
@@ -132,6 +134,8 @@ class SGLangStandIn:
     def handle(self, path: str, body: dict):
         with self.lock:
             self.routes.append((path, body))
+        while self.blocked.is_set():  # no answer until it is cleared
+            threading.Event().wait(0.05)
         if path == "/generate":
             ids, lps, kind = self.generate(body)
             with self.lock:
@@ -159,8 +163,11 @@ class SGLangStandIn:
         if path == "/release_memory_occupation":  # the handlers return nothing: null
             self.released = set(body.get("tags") or ("weights", "kv_cache"))
             return None, 200
-        if path == "/resume_memory_occupation":
-            self.released -= set(body.get("tags") or ("weights", "kv_cache"))
+        if path == "/resume_memory_occupation":  # a tag not released: the scheduler's KeyError
+            tags = set(body.get("tags") or ("weights", "kv_cache"))
+            if not tags <= self.released:
+                return {"error": f"KeyError: {sorted(tags - self.released)}"}, 500
+            self.released -= tags
             return None, 200
         if path in SESSION_ROUTES:
             if "weights" in self.released:

@@ -214,6 +214,25 @@ EVERY = ["p3o", "p4o", "reinforce", "ppo", "grpo", "dapo", "tis", "mis", "gspo",
          "cispo", "decoupled_ppo", "oapl"]  # fmt: skip
 
 
+def _every_layout_equals_float64(pools, tmp_path, init, objective, **kw) -> None:
+    """The packed step at TP=2 / PP=2 / CP=2 / DP=2: its loss and every gradient equal the
+    float64 per-sequence reference of the same batch (``kw``: the bodies' options)."""
+    outs, losses = [], {}
+    for layout in LAYOUTS:
+        out = str(tmp_path / _ids(layout))
+        res = _run(pools, layout, init, out, mode="packed", objective=objective, **kw)
+        outs.append(out)
+        losses[out] = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
+    ref = pools(2).run(pb.reference, Layout(), family="llama", init=init, compare_dirs=outs,
+                       objective=objective, **kw)[0]  # fmt: skip
+    for out in outs:
+        assert losses[out] and all(
+            abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) + 1e-9 for x in losses[out]
+        ), (out, losses[out], ref["loss"])
+        bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
+        assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("objective", EVERY)
 def test_every_objective_on_a_multi_turn_batch_in_every_layout(
@@ -223,22 +242,7 @@ def test_every_objective_on_a_multi_turn_batch_in_every_layout(
     ``packing_bodies.env_span``) next to single-turn samples; packed, at TP=2 / PP=2 / CP=2 /
     DP=2, each objective's loss and every gradient equal the float64 per-sequence reference
     over the policy's tokens only (IcePop, seq-mask-TIS, M2PO, capped P3O: the tests above)."""
-    init = init_ckpts("llama")
-    outs, losses = [], {}
-    for layout in LAYOUTS:
-        out = str(tmp_path / _ids(layout))
-        res = _run(pools, layout, init, out, mode="packed", objective=objective)
-        outs.append(out)
-        losses[out] = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
-    ref = pools(2).run(
-        pb.reference, Layout(), family="llama", init=init, compare_dirs=outs, objective=objective
-    )[0]
-    for out in outs:
-        assert losses[out] and all(
-            abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) + 1e-9 for x in losses[out]
-        ), (out, losses[out], ref["loss"])
-        bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
-        assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"
+    _every_layout_equals_float64(pools, tmp_path, init_ckpts("llama"), objective)
 
 
 @pytest.mark.distributed
@@ -249,18 +253,4 @@ def test_turn_level_advantages_on_a_multi_turn_batch_in_every_layout(
     """Issue 62 (``rollout.multi_turn.credit: turn``): each trajectory's turns carry their own
     advantage, per token; packed, at TP=2 / PP=2 / CP=2 / DP=2 the loss and every gradient equal
     the float64 per-sequence reference with the same per-token advantages."""
-    init = init_ckpts("llama")
-    outs, losses = [], {}
-    for layout in LAYOUTS:
-        out = str(tmp_path / _ids(layout))
-        res = _run(pools, layout, init, out, mode="packed", objective=objective, per_token=True)
-        outs.append(out)
-        losses[out] = [r["metrics"]["loss"] for r in res if "loss" in r["metrics"]]
-    ref = pools(2).run(pb.reference, Layout(), family="llama", init=init, compare_dirs=outs,
-                       objective=objective, per_token=True)[0]  # fmt: skip
-    for out in outs:
-        assert losses[out] and all(
-            abs(x - ref["loss"]) <= REL_F64 * abs(ref["loss"]) + 1e-9 for x in losses[out]
-        ), (out, losses[out], ref["loss"])
-        bad = {n: e for n, e in ref["errors"][out].items() if not e < REL_F64}
-        assert not bad, f"{objective} {out}: gradients differ from the float64 reference: {bad}"
+    _every_layout_equals_float64(pools, tmp_path, init_ckpts("llama"), objective, per_token=True)

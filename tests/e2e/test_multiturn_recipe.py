@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from .cli import ENV, ROOT
+from .cli import ENV, ROOT, torchrun
 from .test_preemption import _assert_equal_runs, _metrics_lines, _run
 
 RECIPE = str(ROOT / "recipes/tiny_cpu_tools.yaml")
@@ -81,6 +81,26 @@ def test_sigterm_during_a_rollout_with_a_hung_tool_saves_and_exits(tool_base, tm
     rc, log = _run(cmd, tmp_path, "hung")
     assert rc == 0 and "resumed from" in log and f"(step {step})" in log, log[-3000:]
     assert len(_metrics_lines(tmp_path / "hung")) == 4
+
+
+@pytest.mark.e2e
+def test_tp2_runs_the_trajectories_on_the_leader_and_its_peer_trains_the_same(tool_base, tmp_path):
+    """Issue 62: at TP = 2 the DP rank's leader runs the trajectories (its environments, its
+    tools: once) and hands them to its TP peer in one exchange per rollout, from the producer
+    thread too (K = 1); the run trains, its held-out evaluation goes through the same path, and
+    the trainer's loss is finite (a peer with other samples would hang or diverge)."""
+    import subprocess
+
+    cmd = _cmd(tool_base, tmp_path, "tp2", 3, "--set", "parallel.tp=2",
+               "--set", "rollout.max_staleness=1",
+               "--set", f"data.eval_path={tool_base / 'heldout.jsonl'}")  # fmt: skip
+    cmd = [*torchrun(2), *cmd[1:]]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in _metrics_lines(tmp_path / "tp2")]
+    assert len(rows) == 3 and all(r_["mt_turns"] >= 1 for r_ in rows)
+    assert all(abs(r_["loss"]) < 1e3 for r_ in rows)
+    assert "held-out accuracy at step 3" in r.stdout or "held-out accuracy" in r.stdout
 
 
 @pytest.mark.e2e

@@ -15,6 +15,7 @@ import pickle
 import threading
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -427,3 +428,54 @@ def test_a_failing_close_is_one_line(stand_ins, monkeypatch):
     with pytest.raises(EngineResponseError, match="/end_weight_update returned HTTP 400") as e:
         _attached(srv).start()
     assert "scheduler busy" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_attaching_resumes_what_a_killed_colocated_trainer_released(stand_ins, tmp_path, capsys):
+    """Issue 63, item 4a: a colocated trainer releases the server's memory before its update
+    and is killed there; SGLang 0.5.23 reports no released region (and fails resuming one that
+    is not), so the trainer records what it released in the run's SGLang log dir. The next one
+    to attach resumes exactly those regions before continuing generation (a forward on released
+    memory touches unmapped pages); with nothing recorded, nothing is resumed."""
+    from megatron_p3o.rollout.sglang import build_fleet
+
+    srv = stand_ins()
+    sg = SGLangConfig(url=srv.url, startup_timeout_s=10, max_retries=0)
+    killed = build_fleet(sg, [], tmp_path, "colocated")
+    killed.pause_generation()
+    killed.release_memory()  # ... and the trainer dies here
+    assert srv.released and (tmp_path / "released_memory.json").is_file()
+    n = len(srv.paths())
+    build_fleet(sg, [], tmp_path, "colocated").start()
+    assert srv.paths()[n:] == ["/end_weight_update", "/resume_memory_occupation",
+                               "/continue_generation"]  # fmt: skip
+    assert not srv.released and not srv.paused
+    assert not (tmp_path / "released_memory.json").exists()
+    assert "released memory (kv_cache, weights, cuda_graph) resumed" in capsys.readouterr().err
+    fresh = stand_ins()
+    fresh.handle("/pause_generation", {"mode": "retract"})
+    build_fleet(replace(sg, url=fresh.url), [], tmp_path, "colocated").start()
+    assert "/resume_memory_occupation" not in fresh.paths()
+
+
+def test_a_scheduler_blocked_in_a_broadcast_is_one_line_in_seconds(stand_ins, monkeypatch):
+    """Issue 63, item 4b: a trainer killed inside /update_weights_from_distributed leaves the
+    scheduler blocked in the broadcast until NCCL's timeout: it accepts connections and answers
+    nothing. Attaching says so in one line within the stale-call bound, not after the request
+    timeout (600 s by default)."""
+    import time
+
+    from megatron_p3o.rollout.sglang import attach
+    from megatron_p3o.rollout.sglang.protocol import EngineUnavailableError
+
+    monkeypatch.setattr(attach, "STALE_CALL_S", 1.0)
+    srv = stand_ins()
+    srv.handle("/pause_generation", {"mode": "retract"})
+    srv.handle("/begin_weight_update", {})
+    srv.blocked.set()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineUnavailableError, match="scheduler is blocked") as e:
+            _attached(srv).start()
+    finally:
+        srv.blocked.clear()
+    assert time.monotonic() - t0 < 5.0 and "\n" not in str(e.value) and srv.url in str(e.value)

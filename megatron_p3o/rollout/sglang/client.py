@@ -12,8 +12,8 @@ a version the server does not hold.
 
 A server the trainer attaches to (``rollout.sglang.url``, ``rollout.sglang_workers``) is taken
 as it is found: a weight-update session a killed trainer left open is closed and generation
-continued (:meth:`SGLangEngine.close_stale_session`), and its tensor-parallel size comes from the
-server (``GET /server_info``), not the recipe (:meth:`SGLangEngine.adopt_layout`). Answers are
+continued, and its tensor-parallel size comes from the server (``GET /server_info``), not the
+recipe (:mod:`.attach`). Answers are
 any JSON (SGLang answers the memory routes with ``null``); only a ``success: false`` object is a
 failure.
 """
@@ -31,7 +31,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -46,7 +46,6 @@ from megatron_p3o.rollout.sglang.launch import (
     server_env,
 )
 from megatron_p3o.rollout.sglang.protocol import (
-    NO_SESSION_OPEN,
     ROUTING_KEY_HEADER,
     EngineResponseError,
     EngineUnavailableError,
@@ -66,6 +65,7 @@ from megatron_p3o.types import Sample, SamplingParams
 _NET_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 REFUSED_GRACE_S = 5.0  # an attached URL refusing connections this long: nothing listens there
 NOTE_EVERY_S = 20.0  # a "still waiting" line this often while a server starts
+STALE_CALL_S = 20.0  # an attached server's answer to the stale-session calls
 
 
 def unreachable(e: BaseException) -> Optional[str]:
@@ -255,75 +255,6 @@ class SGLangEngine(RolloutEngine):
                 f"{str(info)[:200]}"
             )
         return str(info["weight_version"])
-
-    # -- attaching: a server this trainer did not launch, taken as it is found -----------------
-    def adopt_layout(self, transport: str) -> None:
-        """``tp_size`` from ``GET /server_info`` (the server's resolved arguments), not the
-        recipe: the weight-update group spans 1 + Σ tp_size ranks and a tensor push sends one
-        payload per TP rank, so a wrong recipe value left the group's rendezvous waiting for
-        ranks that never come. A recipe value that differs is replaced, in one line; a colocated
-        push refuses it instead (its payload ranks are trainer ranks 0…tp_size−1, which the
-        recipe places). Data- or pipeline-parallel servers are refused for every push but disk:
-        SGLang 0.5.23 joins the group as ``rank_offset + tp_rank`` (pipeline stages would share
-        ranks) and refuses data-parallel replicas there. A URL without ``/server_info`` (a
-        router) keeps the recipe's value."""
-        from megatron_p3o.rollout.sglang.launch import SGLangSetupError
-
-        code, info = self._get("/server_info")
-        keys = ("tp_size", "dp_size", "pp_size")
-        info = info if isinstance(info, dict) else {}
-        if not all(type(info.get(k)) is int for k in keys):
-            self._notice(f"no tp_size in GET /server_info (HTTP {code}); "
-                         f"rollout.sglang.tp_size={self.cfg.tp_size} stands")  # fmt: skip
-            return
-        tp, dp, pp = (info[k] for k in keys)
-        if (dp > 1 or pp > 1) and transport != "disk":
-            raise SGLangSetupError(
-                f"SGLang {self.label} at {self.url} serves dp_size={dp}, pp_size={pp} (GET "
-                f"/server_info): rollout.weight_sync={transport} pushes to one tensor-parallel "
-                "group per server; serve it with --dp-size 1 --pp-size 1, or use "
-                "rollout.weight_sync=disk"
-            )
-        if tp == self.cfg.tp_size:
-            return
-        if transport == "colocated":
-            raise SGLangSetupError(
-                f"rollout.sglang.tp_size={self.cfg.tp_size}, but SGLang {self.label} at "
-                f"{self.url} serves tp_size={tp} (GET /server_info): a colocated push builds "
-                "server rank r's payload on trainer rank r; set rollout.sglang.tp_size="
-                f"{tp}"
-            )
-        self._notice(f"serves tp_size={tp} (GET /server_info); rollout.sglang.tp_size="
-                     f"{self.cfg.tp_size} ignored for it")  # fmt: skip
-        self.cfg = replace(self.cfg, tp_size=tp)
-
-    def close_stale_session(self) -> None:
-        """Before waiting for ``/health``: only ``/end_weight_update`` closes a weight-update
-        session (SGLang 0.5.23); one a killed trainer left open made every later
-        ``/begin_weight_update`` a 400 and its pause held every ``/generate`` and ``/health``.
-        Sessions open only while paused, so a server whose ``GET /ready`` answers 200 has none
-        (503 while paused, starting or unhealthy); one that does not gets ``/end_weight_update``
-        (none open is fine) and ``/continue_generation`` (a no-op if not paused)."""
-        code = self.wait_healthy(self.cfg.startup_timeout_s, "/ready", any_status=True)
-        if code in (200, 404):  # ready, or no such route (a router): nothing of ours is open
-            return
-        try:
-            self.end_weight_update()
-            closed = "a weight-update session it left open closed, "
-        except EngineResponseError as e:
-            if NO_SESSION_OPEN not in str(e):
-                raise
-            closed = ""
-        self.continue_generation()
-        self._notice(f"not ready (GET /ready: HTTP {code}; paused by a previous trainer?); "
-                     f"{closed}generation continued")  # fmt: skip
-
-    def read_context_length(self) -> None:
-        """``GET /server_info``'s ``context_length`` (None if absent): a multi-turn turn never
-        asks past it (SGLang refuses input + ``max_new_tokens`` beyond it with a 400)."""
-        _, info = self._get("/server_info")
-        value = info.get("context_length") if isinstance(info, dict) else None
-        self.context_length = value if type(value) is int and value > 0 else None
 
     def _get(self, path: str):
         """``(HTTP status, answer)`` of ``GET path``; no answer at all is an error."""

@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
 from megatron_p3o.rollout.engine import Bucket, RolloutEngine
+from megatron_p3o.rollout.sglang.attach import (
+    adopt_layout,
+    close_stale_session,
+    read_context_length,
+)
 from megatron_p3o.rollout.sglang.client import SGLangEngine
 from megatron_p3o.rollout.sglang.launch import (
     API_KEY_ENV,
@@ -44,6 +49,7 @@ from megatron_p3o.types import Sample, SamplingParams
 from megatron_p3o.weight_sync.ipc import serialize_named_tensors
 
 GROUP_RECORD = "weight_group.json"  # in the log dir: the group the last launch formed
+RELEASED_RECORD = "released_memory.json"  # in the log dir: regions a trainer released
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class SGLangFleet(RolloutEngine):
         self.weight_version = 0
         self._group = None  # (process group, name, backend) spanning every server
         self.group_record: Optional[Path] = None  # where the group's name is kept (build_fleet)
+        self.released_record: Optional[Path] = None  # memory a colocated push released
         self._store = None  # the weight-update group's rendezvous store (rank 0 hosts it)
         if router_process is not None:
             router.process = router_process
@@ -95,14 +102,16 @@ class SGLangFleet(RolloutEngine):
         servers are taken as they are found: a session a killed trainer left open is closed
         and generation continued before their health is awaited (a paused server never
         passes ``/health``), and their TP size is read from them
-        (:meth:`.client.SGLangEngine.close_stale_session`, ``adopt_layout``)."""
+        (:mod:`.attach`: ``close_stale_session``, ``adopt_layout``)."""
         attached = [w for w in self.workers if not w.launches]
         try:
             for w in self.workers:
                 if w.launches and w.server is None:
                     w.launch()
+            released = self._released()  # a trainer killed while the memory was released
             for w in attached:
-                w.close_stale_session()
+                close_stale_session(w, released)
+            self._record_released([] if attached else released)
             for w in self.workers:
                 if w is not self.router:
                     w.wait_healthy(w.cfg.startup_timeout_s)
@@ -112,9 +121,9 @@ class SGLangFleet(RolloutEngine):
             if self.router_process is not None:
                 self._wait_router_ready()
             for w in attached:
-                w.adopt_layout(self.transport)
+                adopt_layout(w, self.transport)
             for w in self.workers:
-                w.read_context_length()
+                read_context_length(w)
         except BaseException:
             self.stop()
             raise
@@ -325,12 +334,40 @@ class SGLangFleet(RolloutEngine):
             w.push_tensors(payloads, version, last)
 
     def release_memory(self) -> None:
+        from megatron_p3o.rollout.sglang.protocol import MEMORY_TAGS
+
+        self._record_released(MEMORY_TAGS)  # before: a kill in between leaves it recorded
         for w in self.workers:
             w.release_memory()
 
     def resume_memory(self, tags: Sequence[str]) -> None:
         for w in self.workers:
             w.resume_memory(tags)
+        self._record_released([t for t in self._released() if t not in tags])
+
+    def _released(self) -> List[str]:
+        """The memory regions the record says are released (SGLang 0.5.23 reports none of its
+        own: ``offload_tags`` lives in the scheduler, and resuming a region that is not
+        released fails there)."""
+        rec = self.released_record
+        if rec is None or not rec.is_file():
+            return []
+        try:
+            return list(json.loads(rec.read_text()).get("tags", []))
+        except ValueError:
+            return []
+
+    def _record_released(self, tags: Sequence[str]) -> None:
+        rec = self.released_record
+        if rec is None:
+            return
+        if not tags:
+            rec.unlink(missing_ok=True)
+            return
+        rec.parent.mkdir(parents=True, exist_ok=True)
+        tmp = rec.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"tags": list(tags), "workers": [w.url for w in self.workers]}))
+        tmp.replace(rec)
 
     def update_weights_from_disk(self, model_path: str, version: int) -> None:
         for w in self.workers:
@@ -348,6 +385,7 @@ def build_fleet(cfg, worker_urls: Sequence[str], log_dir, transport: str) -> SGL
                    for i, u in enumerate(worker_urls)]  # fmt: skip
         fleet = SGLangFleet(router, workers or [router], transport)
         fleet.group_record = log_dir / GROUP_RECORD  # attached servers outlive this launch
+        fleet.released_record = log_dir / RELEASED_RECORD
         return fleet
     servers = [SGLangEngine(cfg, port=cfg.port + i, label=f"server{i}", log_dir=log_dir)
                for i in range(cfg.servers)]  # fmt: skip
