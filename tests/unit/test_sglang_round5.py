@@ -479,3 +479,35 @@ def test_a_scheduler_blocked_in_a_broadcast_is_one_line_in_seconds(stand_ins, mo
     finally:
         srv.blocked.clear()
     assert time.monotonic() - t0 < 5.0 and "\n" not in str(e.value) and srv.url in str(e.value)
+
+
+def test_a_launch_stops_the_server_a_dead_trainer_left_running(tmp_path, capfd):
+    """Issue 63, item 4b (a launched server): the server a killed trainer launched outlives it
+    (blocked in a broadcast, holding its port); the next launch of the run stops its process
+    group first (one line). A pid that is not an SGLang process is left alone."""
+    import subprocess
+    import sys
+    import time
+
+    from megatron_p3o.rollout.sglang.launch import ServerProcess
+
+    log = tmp_path / "server0.log"
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                            "sglang.launch_server"], start_new_session=True)  # fmt: skip
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)  # fmt: skip
+    try:
+        log.with_suffix(".pid").write_text(f"{other.pid}\n")
+        ServerProcess([sys.executable, "-c", "pass"], {}, log).start().proc.wait(10)
+        assert other.poll() is None  # not an SGLang process: untouched
+        log.with_suffix(".pid").write_text(f"{old.pid}\n")
+        ServerProcess([sys.executable, "-c", "pass"], {}, log).start().proc.wait(10)
+        deadline = time.monotonic() + 5
+        while old.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert old.poll() is not None
+        assert "was still running, its trainer gone: stopped" in capfd.readouterr().err
+    finally:
+        for p in (old, other):
+            p.kill()
+            p.wait()

@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -352,6 +353,7 @@ class ServerProcess:
                 yaml.safe_dump(config, f)
             cmd += ["--config", str(path)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _stop_previous(self.log_path.with_suffix(".pid"))
         self.proc = subprocess.Popen(
             cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,
@@ -406,6 +408,27 @@ class ServerProcess:
             if self._pump is not None:
                 self._pump.join(timeout=5)
         self.forget_config()
+
+
+def _stop_previous(pid_file: Path) -> None:
+    """A server this run launched before whose trainer died (kill -9, a node fault) outlives it:
+    blocked in a weight broadcast until NCCL's timeout, or holding its port and GPU memory.
+    Its process group is killed before the new launch, in one line; a pid that is no longer
+    an SGLang process (reused after a reboot) is left alone."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except (OSError, ValueError, IndexError):
+        return
+    if b"sglang" not in cmdline:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    print(f"SGLang: the server this run launched before (pid {pid}, {pid_file.name}) was still "
+          "running, its trainer gone: stopped before the new launch", file=sys.stderr,
+          flush=True)  # fmt: skip
 
 
 def _reap_group(pgid: int, timeout_s: float) -> None:
