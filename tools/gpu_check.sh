@@ -5,7 +5,7 @@
 # CPU against SGLang's pinned source (tests/unit/test_sglang_protocol.py).
 #
 #   here:   bash tools/gpu_wheels.sh        # .whl/: megatron-core 0.16.1 cp312, datasets (+2 deps)
-#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 590 s); 10 files in
+#   there:  bash tools/gpu_check.sh OUTDIR  # ≤ 10 min (step timeouts sum to 590 s); 11 files in
 #                                           # OUTDIR, to commit under docs/gpu/
 #
 # 1. the tiny base model (the shipped one, installed in seconds), then the converter's checkpoint against transformers, logits on the GPU
@@ -28,8 +28,12 @@
 #    the trainer's cache returned before the resume); another process can allocate the
 #    trainer's cached memory only after return_cached_memory; one CUDA-IPC payload per receiver
 #    against one shared by two (round5.json)
+# 9. round 6 (issue 63): the fused log-prob kernel on the GPU over a padded vocabulary with small
+#    chunks against float64; the colocated launch fraction from the GPU's own free memory; a
+#    colocated payload made on the GPU at TP 1 shares no storage with its parameter (round6.json)
 # Files: env.txt, summary.txt (each step's exit status and RESULT line), log.txt (everything),
-# metrics.jsonl, logprob.json, mfu.json, round3.json, round4.json, specs.json, round5.json.
+# metrics.jsonl, logprob.json, mfu.json, round3.json, round4.json, specs.json, round5.json,
+# round6.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tools/gpu_check.sh OUTDIR}
@@ -75,10 +79,11 @@ step train 80 $PY -m megatron_p3o.train recipes/tiny_cpu.yaml \
 cp "$W/runs/gpu/metrics.jsonl" "$OUT/metrics.jsonl" 2> /dev/null
 step logprob 60 $PY benchmarks/bench_gpu.py logprob --device "$DEV" --out "$OUT" $BENCH_ARGS
 step mfu 90 $PY benchmarks/bench_gpu.py mfu --device "$DEV" --out "$OUT" $BENCH_ARGS
-step round3 100 $PY tools/gpu_round3.py --device "$DEV" --out "$OUT"
+step round3 80 $PY tools/gpu_round3.py --device "$DEV" --out "$OUT"
 step round4 50 $PY tools/gpu_round4.py --device "$DEV" --out "$OUT"
 step specs 60 $PY tools/gpu_specs.py --device "$DEV" --out "$OUT"
 step round5 60 $PY tools/gpu_round5.py --device "$DEV" --out "$OUT"
+step round6 20 $PY tools/gpu_round6.py --device "$DEV" --out "$OUT"
 echo "gpu_check: $( ((status == 0)) && echo all steps passed || echo some steps FAILED)" \
   | tee -a "$OUT/summary.txt"
 exit $status
