@@ -163,11 +163,20 @@ def padded_chunks_case(groups, elems: int, vocab: int):
     the real one), so a chunk holds a few tokens, over a padded vocabulary: the last TP rank's
     shard has fewer real rows than the others."""
     from megatron_p3o.logprob import fused
+    from megatron_p3o.logprob.kernels import vocab_parallel_logprobs
 
     old = dict(fused._CHUNK_ELEMS)
     fused._CHUNK_ELEMS.update(cpu=elems, cuda=elems)
     try:
-        return kernel_case(groups, 0.7, None, vocab=vocab)
+        out = kernel_case(groups, 0.7, None, vocab=vocab)
     finally:
         fused._CHUNK_ELEMS.clear()
         fused._CHUNK_ELEMS.update(old)
+    # the unfused kernel on this rank's materialised logits, blocks of a few tokens too
+    h, w, t, _ = kernel_inputs(vocab=vocab)
+    v = VPAD // groups.layout.tp
+    logits = h.transpose(0, 1) @ w[groups.tp_rank * v : (groups.tp_rank + 1) * v].t()
+    lp, ent, lse = vocab_parallel_logprobs(logits, t, groups.tp, 0.7, 7, True, vocab,
+                                           with_lse=True)  # fmt: skip
+    out.update(unfused={"lp": lp, "ent": ent, "lse": lse})
+    return out
