@@ -236,11 +236,37 @@ class SlotTurnServer(TurnServer):
             self.version = e.weight_version
             for r in rows:
                 r.seq, r.routes = [], []
-        feeds = []
+        feeds, lead = [], {}
         for r in rows:  # what each has not fed: its request's rest, or its newest token
             n = len(r.seq)
             feeds.append(r.ids[n:] + r.out if n < len(r.ids) else r.out[n - len(r.ids) :])
-        dev = e.device
+        # trajectories that start from one prompt (a group's n samples) share its prefill, as
+        # a prefix cache does: one of them is fed, the others get its K/V and its logits
+        first: Dict[tuple, int] = {}
+        for k, (r, f) in enumerate(zip(rows, feeds)):
+            if not r.seq:
+                lead[k] = first.setdefault(tuple(f), k)
+        fed = [k for k in range(len(rows)) if lead.get(k, k) == k]
+        logits = self._forward([rows[k] for k in fed], [feeds[k] for k in fed])
+        at = {k: i for i, k in enumerate(fed)}
+        for k, src in lead.items():
+            if src != k:
+                self._copy(rows[src], rows[k])
+        self.ticks += 1
+        self._sample(rows, logits[[at[lead.get(k, k)] for k in range(len(rows))]])
+
+    def _copy(self, src: _Row, dst: _Row) -> None:
+        """``dst`` takes ``src``'s cached K/V (positions it fed) and routes."""
+        n = len(src.seq)
+        for kv in (self.cache.k, self.cache.v):
+            for layer in kv:
+                layer[dst.slot, :, :n] = layer[src.slot, :, :n]
+        dst.seq, dst.routes = list(src.seq), list(src.routes)
+
+    def _forward(self, rows: List[_Row], feeds: List[List[int]]) -> torch.Tensor:
+        """One forward of every row's feed, packed; the logits at each row's last fed token
+        ``[len(rows), V]``; the rows' caches, sequences and routes advanced."""
+        e, dev = self.e, self.e.device
         lens = [len(f) for f in feeds]
         slot = torch.tensor([r.slot for r, n in zip(rows, lens) for _ in range(n)], device=dev)
         pos = torch.tensor([len(r.seq) + i for r, n in zip(rows, lens) for i in range(n)],
@@ -264,15 +290,13 @@ class SlotTurnServer(TurnServer):
             out = e.model(input_ids=ids, position_ids=pos[None], cache=self.cache, use_cache=True,
                           logits_to_keep=last, p3o_slots=meta)  # fmt: skip
         routes = e._call_routes(1)  # [1, T, layers, k] of the fed tokens (MoE)
-        logits = out.logits[0]
         at = 0
         for r, f in zip(rows, feeds):
             r.seq += f
             if routes is not None:
                 r.routes += list(routes[0, at : at + len(f)])
             at += len(f)
-        self.ticks += 1
-        self._sample(rows, logits)
+        return out.logits[0]
 
     def _sample(self, rows: List[_Row], logits: torch.Tensor) -> None:
         """One token per row, each drawn from its own stream: the turn's next uniform u (drawn
