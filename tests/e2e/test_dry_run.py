@@ -43,6 +43,14 @@ def test_a_plan_that_does_not_fit_exits_2_with_a_change_that_fits():
 def test_placement_counts_trainer_and_rollout_gpus():
     r = _dry("qwen3_8b_h100x8.yaml")
     assert r.returncode == 0, r.stderr
+    # issue 63, item 5: an SGLang recipe's dry run reports this machine's driver check (on a
+    # machine without nvidia-smi: none to read, said in one line)
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        assert "preflight: no nvidia-smi here; the driver and GPU memory are checked at " in (
+            r.stdout
+        ), r.stdout
     want = (
         "trainer 4 GPUs (1 node) + rollout 4 (4 SGLang servers × tp 1, on the same node) = "
         "1 node × 8 GPUs, 8 in all"
