@@ -27,13 +27,14 @@ from .conftest import kill_launched, log_tail
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e]
 
 FROZEN_TRAINER = """
-import os, signal, sys, torch
+import os, signal, sys, time, torch
 from megatron_p3o.rollout.sglang import SGLangConfig, build_fleet
 from megatron_p3o.rollout.sglang import fleet as fl
 url, port, logs = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 fleet = build_fleet(SGLangConfig(url=url, sync_backend="gloo"), [], logs, "distributed").start()
 fleet.init_weight_update_groups("127.0.0.1", port)
-def frozen(*a, **k):  # the server already waits for this bucket
+def frozen(*a, **k):  # the request (posted from a thread) reaches the server, then a freeze
+    time.sleep(3.0)
     print("FROZEN", flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
 fl.broadcast = frozen
