@@ -47,6 +47,9 @@ setup(
         "wandb": ["wandb"],
         # accelerate: transformers' FP8 checkpoint loader needs it (the FP8 export's test);
         # pytest-xdist: tools/run_tests.sh runs the suite's files on 2 workers
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "wandb", "accelerate"],
+        # bring your own agent (rollout.multi_turn.agent): the OpenAI client the agent is given
+        # and the endpoint it talks to (docs/agents.md)
+        "agents": ["openai", "aiohttp"],
+        "dev": ["pytest>=8", "pytest-xdist", "ruff", "wandb", "accelerate", "openai", "aiohttp"],
     },
 )

@@ -127,6 +127,8 @@ def step_advantages(samples, rewards: Tensor, group_ids: Tensor, own, kind: str,
     or None for ``advantage.kind``. Aborted members leave every baseline (module docstring)."""
     from megatron_p3o.advantage.estimators import group_advantages
 
+    if any(s.meta.get("segment", 0) for s in samples):  # an agent's later segments
+        return _segments_follow(samples, rewards, group_ids, own, kind, eps, credit, gamma)
     valid = torch.tensor([s.meta.get("status") != "aborted" for s in samples], dtype=torch.bool)
     if credit == "turn":
         per_turn = [
@@ -141,3 +143,19 @@ def step_advantages(samples, rewards: Tensor, group_ids: Tensor, own, kind: str,
     if bool(valid.all()):
         return fn(rewards, group_ids)
     return among_members(fn, rewards, group_ids, valid)
+
+
+def _segments_follow(samples, rewards, group_ids, own, kind, eps, credit, gamma) -> Tensor:
+    """The segment rule (``megatron_p3o.rollout.agents.session``): a trajectory split into
+    segments counts once in its group's baseline (its first segment), and every segment gets
+    that first segment's advantage."""
+    if credit == "turn":
+        raise ValueError("credit: turn does not take segmented (agent) trajectories")
+    lead = [i for i, s in enumerate(samples) if not s.meta.get("segment", 0)]
+    first = step_advantages([samples[i] for i in lead], rewards[lead], group_ids[lead], own,
+                            kind, eps)  # fmt: skip
+    at = {(int(group_ids[i]), samples[i].meta.get("trajectory")): k for k, i in enumerate(lead)}
+    out = torch.zeros(len(samples), dtype=first.dtype)
+    for i, s in enumerate(samples):
+        out[i] = first[at[(int(group_ids[i]), s.meta.get("trajectory"))]]
+    return out

@@ -110,6 +110,16 @@ class TrainConfig:
                 f"the prompt in model.seq_length={self.model.seq_length} (a trajectory is the "
                 "prompt plus up to max_total_tokens)"
             )
+        if (
+            mt is not None
+            and mt.agent
+            and mt.max_prompt_tokens + mt.max_total_tokens > (self.model.seq_length)
+        ):
+            raise ConfigError(
+                f"rollout.multi_turn.max_prompt_tokens={mt.max_prompt_tokens} + max_total_tokens="
+                f"{mt.max_total_tokens} exceeds model.seq_length={self.model.seq_length} (an "
+                "agent's segment is its conversation plus up to max_total_tokens)"
+            )
 
     def with_task_files(self) -> "TrainConfig":
         """``data.task``'s splits written under ``{run.dir}/tasks/`` and named by ``data.path``

@@ -19,7 +19,17 @@ from megatron_p3o.runtime.fields import check_ranges
 class MultiTurnConfig:
     """Attributes:
     env: the environment class, ``"module:Class"`` (:class:`~.types.Environment`; bundled:
-        ``megatron_p3o.env.calc_env:CalculatorEnv``).
+        ``megatron_p3o.env.calc_env:CalculatorEnv``); or, instead of it, ``agent``.
+    agent: the user's agent, ``"module:function"``: an ``async def (client, item) -> reward``
+        given an OpenAI client bound to its episode's session of the rollout's endpoint
+        (``megatron_p3o.rollout.agents``; docs/agents.md); ``env``, ``env_args`` and
+        ``memory_mb`` do not apply.
+    tool_parser: how the endpoint reads tool calls from a model turn's text for the agent
+        (``hermes``, ``qwen3_coder``, ``none``); the trained tokens are never changed by it.
+    episode_timeout_s: how long an agent's episode may take (past it: cancelled, ``aborted``).
+    max_prompt_tokens: with ``agent``: the longest conversation an agent may send to start a
+        segment (its messages and tools rendered), in tokens; a longer one is refused (400).
+        ``model.seq_length`` must hold it plus ``max_total_tokens``.
     env_args: keyword arguments of the class (one instance per trajectory).
     max_turns: model turns per episode; one that is still going after them ends
         ``truncated``.
@@ -45,6 +55,10 @@ class MultiTurnConfig:
     """
 
     env: str = ""
+    agent: str = ""
+    tool_parser: Literal["hermes", "qwen3_coder", "none"] = "none"
+    episode_timeout_s: float = 600.0
+    max_prompt_tokens: int = 512
     env_args: Dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4
     max_total_tokens: int = 256
@@ -60,6 +74,8 @@ class MultiTurnConfig:
         "max_turns": ">= 1",
         "max_total_tokens": ">= 1",
         "tool_timeout_s": "> 0",
+        "episode_timeout_s": "> 0",
+        "max_prompt_tokens": ">= 1",
         "concurrency": ">= 1",
         "memory_mb": ">= 0",
         "discount": "in [0, 1]",
@@ -68,6 +84,22 @@ class MultiTurnConfig:
 
     def __post_init__(self):
         check_ranges(self, self.RANGES, "rollout.multi_turn")
+        if self.agent:
+            if self.env:
+                raise ConfigError(
+                    "rollout.multi_turn: env and agent are exclusive (an environment steps "
+                    "each turn; an agent drives its episode itself): name one"
+                )
+            if ":" not in self.agent:
+                raise ConfigError(
+                    f"rollout.multi_turn.agent={self.agent!r} must be 'module:function'"
+                )
+            if self.credit == "turn":
+                raise ConfigError(
+                    "rollout.multi_turn.credit=turn needs per-turn rewards, which an agent (one "
+                    "reward per episode) does not give: use credit: trajectory"
+                )
+            return
         if ":" not in self.env:
             raise ConfigError(
                 f"rollout.multi_turn.env={self.env!r} must be 'module:Class' (bundled: "

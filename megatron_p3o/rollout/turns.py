@@ -58,9 +58,12 @@ def turn_seed(batch_seed: Optional[int], k: int, turn: int) -> Optional[int]:
 class TurnLoop:
     """Runs one environment episode per trajectory against an engine (:meth:`run`)."""
 
-    def __init__(self, cfg: MultiTurnConfig, host, tok, pieces: ChatPieces):
-        """``host``: where episodes run (:class:`~megatron_p3o.env.workers.EnvHost`)."""
+    def __init__(self, cfg: MultiTurnConfig, host, tok, pieces: ChatPieces, agents=None):
+        """``host``: where episodes run (:class:`~megatron_p3o.env.workers.EnvHost`); or
+        ``agents`` (:class:`~megatron_p3o.rollout.agents.runner.AgentEpisodes`): the user's
+        agent drives each episode through the endpoint."""
         self.cfg, self.host, self.tok, self.pieces = cfg, host, tok, pieces
+        self.agents = agents
         self.last_ticks = 0  # the embedded server's forwards in the last rollout (benchmarks)
         self._encoded: dict = {}  # observation text -> ids (tools repeat their answers)
 
@@ -86,18 +89,24 @@ class TurnLoop:
             return []
         asyncio.run(self._run(engine, trajs, items, sampling))
         self._report(trajs, items)
+        if self.agents is not None:
+            return self.agents.samples(trajs)
         return [t.sample() for t in trajs]
 
     def close(self) -> None:
-        self.host.close()
+        if self.host is not None:
+            self.host.close()
 
     # -- the rollout ----------------------------------------------------------------------------
     async def _run(self, engine, trajs, items, sampling) -> None:
         from megatron_p3o.runtime.preemption import RolloutInterrupted, signalled
 
         c = self.cfg
-        longest = max(len(t.prompt) for t in trajs) + c.max_total_tokens
+        first = c.max_prompt_tokens if self.agents else max(len(t.prompt) for t in trajs)
+        longest = first + c.max_total_tokens
         server = engine.turn_server(min(c.concurrency, len(trajs)), longest)
+        if self.agents is not None:
+            await self.agents.start()
         tasks = [
             asyncio.ensure_future(self._episode(server, t, items[t.group], sampling)) for t in trajs
         ]
@@ -114,16 +123,25 @@ class TurnLoop:
         except BaseException:
             for x in tasks:
                 x.cancel()
-            self.host.interrupt()
+            if self.host is not None:
+                self.host.interrupt()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
             self.last_ticks = getattr(server, "ticks", 0)
             server.close()
+            if self.agents is not None:
+                await self.agents.stop()
 
     async def _episode(self, server, t: Trajectory, item: EnvItem, sampling) -> None:
         c = self.cfg
         await server.admit(t.index)
+        if self.agents is not None:
+            try:
+                await self.agents.episode(self, server, t, item, sampling)
+            finally:
+                server.release(t.index)
+            return
         ep = self.host.episode()
         try:
             seeded = replace(item, seed=item.seed * 1_000_003 + t.index)
@@ -243,7 +261,8 @@ class TurnLoop:
             return
         it = items[aborted[0].group]
         n_items = len({t.group for t in aborted})
-        line = (f"rollout.multi_turn.env={self.cfg.env}: data item {it.index} "
+        who = f"agent={self.cfg.agent}" if self.agents is not None else f"env={self.cfg.env}"
+        line = (f"rollout.multi_turn.{who}: data item {it.index} "
                 f"({it.prompt[:60]!r}): {aborted[0].error}; {len(aborted)} of {len(trajs)} "
                 f"trajectories ({n_items} items) aborted")  # fmt: skip
         if len(aborted) == len(trajs):
@@ -258,6 +277,10 @@ def build_turn_loop(cfg: Optional[MultiTurnConfig], tok, chat: bool,
     ``data.chat_template``; ``stop_ids``: the tokens that end a model turn)."""
     if cfg is None:
         return None
+    if cfg.agent:
+        from megatron_p3o.rollout.agents.runner import AgentEpisodes
+
+        return TurnLoop(cfg, None, tok, ChatPieces(), AgentEpisodes(cfg, tok, stop_ids))
     from megatron_p3o.env.config import env_host
 
     pieces = ChatPieces.from_tokenizer(tok, cfg.observation_role, chat, stop_ids)
