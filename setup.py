@@ -49,7 +49,8 @@ setup(
         # pytest-xdist: tools/run_tests.sh runs the suite's files on 2 workers
         # bring your own agent (rollout.multi_turn.agent): the OpenAI client the agent is given
         # and the endpoint it talks to (docs/agents.md)
-        "agents": ["openai", "aiohttp"],
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "wandb", "accelerate", "openai", "aiohttp"],
+        "agents": ["openai", "aiohttp", "mcp"],
+        "dev": ["pytest>=8", "pytest-xdist", "ruff", "wandb", "accelerate", "openai", "aiohttp",
+                "mcp"],
     },
 )

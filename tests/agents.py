@@ -80,3 +80,19 @@ async def until_refused(client, item):
             msgs.append({"role": "user", "content": "more"})
     except openai.BadRequestError:
         return 0.5
+
+
+async def with_mcp_tools(client, item):
+    """Passes the recipe's MCP tools to the template and, after each of two turns, calls one
+    (``add``, the turn's numbers) and sends its result back as the tool message."""
+    box = item["tools"]
+    msgs = [{"role": "user", "content": item["prompt"]}]
+    for turn in range(3):
+        r = await client.chat.completions.create(model="p3o-policy", messages=msgs,
+                                                 tools=box.schemas)  # fmt: skip
+        msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+        if turn < 2:
+            text, ok = await box.call("add", {"a": item["index"], "b": turn})
+            assert ok, text
+            msgs.append({"role": "tool", "tool_call_id": f"own_{turn}", "content": text})
+    return 1.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, Literal, Optional
+from typing import Any, ClassVar, Dict, List, Literal, Optional
 
 from megatron_p3o.runtime.errors import ConfigError
 from megatron_p3o.runtime.fields import check_ranges
@@ -27,6 +27,10 @@ class MultiTurnConfig:
     tool_parser: how the endpoint reads tool calls from a model turn's text for the agent
         (``hermes``, ``qwen3_coder``, ``none``); the trained tokens are never changed by it.
     episode_timeout_s: how long an agent's episode may take (past it: cancelled, ``aborted``).
+    mcp_servers: with ``agent``: MCP tool servers connected for each rollout, each
+        ``{command, args, env}`` (stdio, launched) or ``{url}`` (streamable HTTP); the agent gets
+        them as ``item["tools"]`` (:class:`~.mcp_tools.MCPToolbox`: OpenAI tool schemas and
+        ``await call(name, arguments)``), each call bounded by ``tool_timeout_s``.
     max_prompt_tokens: with ``agent``: the longest conversation an agent may send to start a
         segment (its messages and tools rendered), in tokens; a longer one is refused (400).
         ``model.seq_length`` must hold it plus ``max_total_tokens``.
@@ -59,6 +63,7 @@ class MultiTurnConfig:
     tool_parser: Literal["hermes", "qwen3_coder", "none"] = "none"
     episode_timeout_s: float = 600.0
     max_prompt_tokens: int = 512
+    mcp_servers: List[Dict[str, Any]] = field(default_factory=list)
     env_args: Dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4
     max_total_tokens: int = 256
@@ -84,6 +89,16 @@ class MultiTurnConfig:
 
     def __post_init__(self):
         check_ranges(self, self.RANGES, "rollout.multi_turn")
+        for i, spec in enumerate(self.mcp_servers):
+            if not isinstance(spec, dict) or ("url" in spec) == ("command" in spec):
+                raise ConfigError(
+                    f"rollout.multi_turn.mcp_servers[{i}]={spec!r}: give either 'command' "
+                    "(stdio) or 'url' (streamable HTTP)"
+                )
+        if self.mcp_servers and not self.agent:
+            raise ConfigError(
+                "rollout.multi_turn.mcp_servers needs an agent (the agent calls them)"
+            )
         if self.agent:
             if self.env:
                 raise ConfigError(

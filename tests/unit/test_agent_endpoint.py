@@ -59,7 +59,7 @@ def model(tok):
     torch.manual_seed(0)
     cfg = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=1024)  # fmt: skip
+               max_position_embeddings=2048)  # fmt: skip
     ref = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     with torch.no_grad():
         ref.lm_head.weight.mul_(4.0)
@@ -209,3 +209,25 @@ def test_an_agent_that_is_not_async_or_not_there_is_one_error(tok):
                       ("tests.agents:nope", "cannot be imported")]:  # fmt: skip
         with pytest.raises(ConfigError, match=msg):
             build_turn_loop(MultiTurnConfig(agent=spec), tok, True, (tok.eos_token_id,))
+
+
+def test_mcp_tools_reach_the_template_and_their_results_come_back_as_text(tok, model, tmp_path):
+    """The recipe's MCP server (tests/mcp_server.py over stdio): its tools are rendered in the
+    prompt's tools block, its results are the tool messages' tokens (encoded as text)."""
+    import sys
+    from pathlib import Path
+
+    server = str(Path(__file__).resolve().parent.parent / "mcp_server.py")
+    spec = {"command": sys.executable, "args": [server, "stdio", str(tmp_path / "pids")]}
+    out = rollout(tok, engine_for(model), "with_mcp_tools", n_prompts=3, n=2, mcp_servers=[spec],
+                  max_prompt_tokens=1600)  # fmt: skip
+    assert len(out) == 6
+    for s in out:
+        assert s.meta["status"] == "completed" and s.reward == 1.0
+        head = dec(tok, s.prompt_ids)
+        assert '"name": "add"' in head and '"name": "spin"' in head  # the server's schemas
+        spans = appended_spans(s)
+        for turn, span in enumerate(spans):
+            result = str(s.meta["trajectory"] // 2 + turn)  # add(a=item index, b=turn)
+            assert "<tool_response>\n" + result + "\n</tool_response>" in dec(tok, span)
+    assert len((tmp_path / "pids").read_text().split()) == 1  # one server for the rollout

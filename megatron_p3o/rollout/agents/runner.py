@@ -69,14 +69,23 @@ class AgentEpisodes:
         self.fn = agent_function(cfg.agent)
         self.parser = tool_parser(cfg.tool_parser)
         self.endpoint = None
+        self.toolbox = None  # the recipe's MCP servers (item["tools"]), per rollout
         self.sessions = {}
 
     async def start(self) -> None:
         self.sessions = {}
         self.endpoint = Endpoint()
         await self.endpoint.start()
+        if self.cfg.mcp_servers:
+            from megatron_p3o.env.mcp_tools import MCPToolbox
+
+            self.toolbox = MCPToolbox(self.cfg.mcp_servers, self.cfg.tool_timeout_s)
+            await self.toolbox.start()
 
     async def stop(self) -> None:
+        if self.toolbox is not None:
+            await self.toolbox.close()
+            self.toolbox = None
         if self.endpoint is not None:
             await self.endpoint.stop()
             self.endpoint = None
@@ -120,7 +129,8 @@ class AgentEpisodes:
         client = _client(base, c.episode_timeout_s)
         t0 = time.monotonic()
         try:
-            got = await asyncio.wait_for(self.fn(client, asdict(item)), c.episode_timeout_s)
+            it = {**asdict(item), "tools": self.toolbox}
+            got = await asyncio.wait_for(self.fn(client, it), c.episode_timeout_s)
             if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
                 session.finish("aborted", 0.0, f"{c.agent} returned {got!r}, not a finite number")
             else:
