@@ -156,6 +156,31 @@ def rollout(engine, tok_dir: str, n_prompts: int, n: int, turns: int, max_new_to
         loop.close()
 
 
+def agent_rollout(engine, tok_dir: str, n_prompts: int, n: int, agent: str = "three_turns",
+                  max_new_tokens: int = 8):  # fmt: skip
+    """The same trajectories driven by an agent of tests/agents.py through the endpoint."""
+    from transformers import AutoTokenizer
+
+    from megatron_p3o.data.tasks import tool_calc
+    from megatron_p3o.env.config import MultiTurnConfig
+    from megatron_p3o.env.types import EnvItem
+    from megatron_p3o.rollout.turns import build_turn_loop
+    from megatron_p3o.types import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    rows = tool_calc.splits(100, n_prompts)[1]
+    items = [EnvItem(i, r["prompt"], r["answer"], i) for i, r in enumerate(rows)]
+    cfg = MultiTurnConfig(agent=f"tests.agents:{agent}", max_turns=3, max_prompt_tokens=24,
+                          max_total_tokens=SEQ - 24)  # fmt: skip
+    loop = build_turn_loop(cfg, tok, True, (tok.eos_token_id,))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens,
+                        stop_token_ids=(tok.eos_token_id,), seed=5)  # fmt: skip
+    try:
+        return loop.run(engine, [[0]] * len(rows), items, n, sp)
+    finally:
+        loop.close()
+
+
 def on_policy_step(groups, ckpt: str, samples, budget: int = 256):
     """One P3O step of the trainer (packed micro-batches, PolicyUpdate.run, unfused output
     layer) on ``samples`` at the checkpoint's weights. Returns the largest |ℓθ − ℓb| over the

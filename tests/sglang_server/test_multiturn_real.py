@@ -104,6 +104,38 @@ def test_sglang_multiturn_token_in_token_out_and_on_policy(served_tool, pools):
     assert res["env_rows"] > 0 and res["env_grad_max"] == 0.0, res
 
 
+def test_an_agent_through_the_endpoint_trains_on_the_servers_tokens(served_tool, pools):
+    """An agent of tests/agents.py (the ``openai`` client, three turns, tool messages) against
+    the real server through the endpoint (issue 64): 0 prefix violations over 51 episodes × 3
+    turns (ℓb as the server gave them), the tool messages' spans the template's own text, and
+    on policy at fp32 (the trainer's ℓθ = ℓb, e_B = 1, no gradient on environment tokens)."""
+    from transformers import AutoTokenizer
+
+    from tests.agents import tool_result
+    from tests.turn_recording import appended_spans, prefix_violations, record_turns
+
+    fleet, ckpt = served_tool
+    fleet.update_weights(iter([sorted(load_file(f"{ckpt}/hf/model.safetensors").items())]), 1)
+    calls = record_turns(fleet)
+    try:
+        samples = mb.agent_rollout(fleet, f"{ckpt}/hf", n_prompts=17, n=3)
+    finally:
+        del fleet.turn_server
+    inv = prefix_violations(samples, calls)
+    assert inv["episodes"] >= 50 and inv["turns"] >= 150 and inv["violations"] == 0, inv
+    tok = AutoTokenizer.from_pretrained(f"{ckpt}/hf")
+    for s in samples:
+        assert s.meta["status"] == "completed" and s.meta["segments"] == 1, s.meta
+        spans = appended_spans(s)
+        assert [tok.decode(x, skip_special_tokens=False) for x in spans] == [
+            f"<|end|><|tool|>{tool_result(t)}<|end|><|assistant|>" for t in range(2)
+        ]  # the tool task's template (turns run their budget: the whole end of turn)
+    res = pools(1).run(mb.on_policy_step, Layout(), ckpt=ckpt, samples=samples)[0]
+    assert res["max_lp_diff"] < 1e-5, res
+    assert abs(res["ess"] - 1.0) < 1e-6, res
+    assert res["env_rows"] > 0 and res["env_grad_max"] == 0.0, res
+
+
 def test_a_weight_push_inside_turn_2(served_tool, tmp_path):
     """Turn 1 at version 5, the tool's observation, then a push (version 6) lands k tokens into
     turn 2: versions [5]·n₁ + [−1]·obs + [5]·k + [6]·rest; turn 1's ℓb are unchanged from
