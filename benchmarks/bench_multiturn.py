@@ -12,7 +12,10 @@ turns, and a multi-turn rollout against a single-turn one of the same policy tok
    tool task's BPE tokenizer, ``--precision`` fp32 as before issue 62): ``--episodes`` of
    ``--turns`` turns of ``--turn-tokens`` tokens with ``--obs-tokens``-token observations
    (answered at once), against one generate of ``turns × turn-tokens`` tokens per prompt — the
-   same policy tokens. Turns are forced to their full length (no stop token).
+   same policy tokens. Turns are forced to their full length (no stop token). Beside them the
+   floor: one generate per prompt whose prompt carries the multi-turn rollout's environment
+   tokens too (the same tokens through the model; what multi-turn costs beyond it is the loop's
+   and the turn server's own).
 3. ``sglang`` (``--sglang``, needs ``$SGLANG_PYTHON``) — the real SGLang 0.5.23 CPU server
    with that model, ``--sglang-n`` trajectories, the latency profile of 1, async against
    lock-step.
@@ -22,7 +25,8 @@ Rounds alternate the compared runs so drift hits both alike; medians are reporte
     python benchmarks/bench_multiturn.py [--rounds 3] [--sglang]
 
 Last line: ``RESULT tools_lockstep_vs_async=<x> tools_async_vs_limit=<y>
-embedded_mt_vs_st=<z> [sglang_lockstep_vs_async=<w>]``.
+embedded_mt_vs_st=<z> embedded_floor_vs_st=<f> embedded_mt_vs_floor=<g>
+[sglang_lockstep_vs_async=<w>]``.
 """
 
 from __future__ import annotations
@@ -173,15 +177,24 @@ def embedded(tok, a, results):
     loop = loop_for(tok, a.embedded_env, {"turns": a.turns, "reply": reply}, a.turns, total, 256)
     turn = SamplingParams(max_new_tokens=a.turn_tokens, seed=1)  # no stop: full turns
     whole = SamplingParams(max_new_tokens=a.turns * a.turn_tokens, seed=1)
-    times = {"multi": [], "single": []}
+    # the floor: single-turn completions whose prompts carry as many more tokens as the
+    # multi-turn rollout appends (its environment tokens), so the same tokens go through the
+    # model; what the multi-turn rollout costs beyond it is the loop's and the server's own
+    env_ids = loop.pieces.obs_open + tuple(tok.encode(reply, add_special_tokens=False))
+    env_ids = list(loop.pieces.turn_end + env_ids + loop.pieces.obs_close) * (a.turns - 1)
+    longer = [p + env_ids for p in prompts]
+    times = {"multi": [], "single": [], "floor": []}
+    order = ("multi", "single", "floor")
     tokens, ticks = {}, 0
     try:
         for r in range(a.rounds + 1):
-            for k in ("multi", "single") if r % 2 == 0 else ("single", "multi"):
+            for k in order if r % 2 == 0 else order[::-1]:
                 t0 = time.perf_counter()
                 if k == "multi":
                     out = loop.run(engine, prompts, items, 1, turn)
                     ticks = loop.last_ticks
+                elif k == "floor":
+                    out = engine.generate(longer, 1, whole)
                 else:
                     out = engine.generate(prompts, 1, whole)
                 dt = time.perf_counter() - t0
@@ -193,6 +206,7 @@ def embedded(tok, a, results):
     finally:
         loop.close()
     assert tokens["multi"][0] == tokens["single"][0], tokens  # the same policy tokens
+    assert len(env_ids) * len(prompts) == tokens["multi"][1], (len(env_ids), tokens)
     results["embedded"] = ({k: statistics.median(v) for k, v in times.items()}, tokens, ticks)
 
 
@@ -318,7 +332,12 @@ def main():
                       f"tokens, {tokens['multi'][1]} env tokens, {ticks} forwards",
                       f"{med['single']:.3f}", f"{med['multi']:.3f}",
                       f"{med['multi'] / med['single']:.2f}")  # fmt: skip
+        table.add_row("embedded: single-turn with the env tokens in its prompts (A: the same "
+                      "tokens through the model) vs multi-turn (B)", f"{med['floor']:.3f}",
+                      f"{med['multi']:.3f}", f"{med['multi'] / med['floor']:.2f}")  # fmt: skip
         res.append(f"embedded_mt_vs_st={med['multi'] / med['single']:.2f}")
+        res.append(f"embedded_floor_vs_st={med['floor'] / med['single']:.2f}")
+        res.append(f"embedded_mt_vs_floor={med['multi'] / med['floor']:.2f}")
     if "sglang" in results:
         m = results["sglang"]
         table.add_row(
