@@ -133,11 +133,11 @@ def ref_loss(name, x):
         eb, ep = _ess(lp, lb, m), _ess(lp, lold, m)
         e = min(eb, ep)
         rho = torch.exp(_d(lp, lb, m)).detach()
-        wb, wp, dl = 1 - eb, 1 - ep, 1e-6
+        wb, wp = max(0.0, 1 - eb), max(0.0, 1 - ep)
         lbs = torch.where(m > 0, lb, torch.zeros_like(lb))
         mix = torch.logsumexp(
-            torch.stack([math.log(wb + dl) + lbs, math.log(wp + dl) + lold]), 0
-        ) - math.log(wb + wp + 2 * dl)
+            torch.stack([math.log(wb + 1e-30) + lbs, math.log(wp + 1e-30) + lold]), 0
+        ) - math.log(wb + wp)
         return _tok_mean(-torch.clamp(rho, max=e) * A * lp + (1 - e) * _k3(lp, mix, m), m)
     raise KeyError(name)
 
