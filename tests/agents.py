@@ -96,3 +96,21 @@ async def with_mcp_tools(client, item):
             assert ok, text
             msgs.append({"role": "tool", "tool_call_id": f"own_{turn}", "content": text})
     return 1.0
+
+
+async def counts_calls(client, item):
+    """Three turns; each turn's parsed tool calls answered by id; the reward is the number of
+    calls it was given (the parser's output, as the agent sees it)."""
+    msgs = [{"role": "user", "content": item["prompt"]}]
+    seen = 0
+    for turn in range(3):
+        r = await client.chat.completions.create(model="p3o-policy", messages=msgs, tools=TOOLS)
+        m = r.choices[0].message
+        msgs.append(m.model_dump(exclude_none=True))
+        for c in m.tool_calls or []:
+            assert c.function.name == "python" and r.choices[0].finish_reason == "tool_calls"
+            seen += 1
+            msgs.append({"role": "tool", "tool_call_id": c.id, "content": tool_result(turn)})
+        if not m.tool_calls:
+            break
+    return float(seen)

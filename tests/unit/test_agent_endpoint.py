@@ -231,3 +231,31 @@ def test_mcp_tools_reach_the_template_and_their_results_come_back_as_text(tok, m
             result = str(s.meta["trajectory"] // 2 + turn)  # add(a=item index, b=turn)
             assert "<tool_response>\n" + result + "\n</tool_response>" in dec(tok, span)
     assert len((tmp_path / "pids").read_text().split()) == 1  # one server for the rollout
+
+
+def test_tool_calls_the_engine_writes_reach_the_agent_and_the_tokens_stay_the_engines(tok):
+    """A scripted engine writes a hermes call in its first two turns and an answer in its third
+    (the tool task's tokenizer, 51 episodes): the agent gets two parsed calls per episode, and the
+    recorded completion tokens of every turn are exactly the engine's (parsing reads them only)."""
+    from .test_multiturn import ScriptedEngine
+
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>'
+    eos = tok.eos_token_id
+    call_ids = tok.encode(call, add_special_tokens=False) + [eos]
+    answer_ids = tok.encode("42", add_special_tokens=False) + [eos]
+
+    def respond(ids, turn):  # a call in the first two turns, then the answer: the prompt (tools,
+        made = (ids.count(eos) - 2) // 2  # user) ends 2 turns, each turn and tool answer 1 more
+        return call_ids if made < 2 else answer_ids
+
+    eng = ScriptedEngine(tok, respond)
+    calls = record_turns(eng)
+    out = rollout(tok, eng, "counts_calls", k=len(call_ids) + 8, max_total_tokens=1000)
+    inv = prefix_violations(out, calls)
+    assert inv["episodes"] >= 50 and inv["turns"] >= 150 and inv["violations"] == 0, inv
+    for k, s in enumerate(out):
+        assert s.reward == 2.0 and s.meta["malformed_calls"] == 0, s.meta
+        outs = [o for _, o, _, _ in calls[k]]
+        assert outs == [call_ids, call_ids, answer_ids]
+        a, b = s.meta["turn_spans"][0]
+        assert s.completion_ids[a:b] == call_ids  # as the engine wrote them
