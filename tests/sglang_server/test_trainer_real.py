@@ -33,7 +33,7 @@ def _train(base, run_dir: Path, name: str, *sets, nproc=1, steps=3, recipe="tiny
         "rollout.sglang.model_path": hf or base / "hf",
         "rollout.sglang.dtype": "float32",
         "rollout.sglang.port": free_port(),
-        "rollout.sglang.startup_timeout_s": 300,
+        "rollout.sglang.startup_timeout_s": 600,  # a loaded 2-core machine: two servers, router
         "rollout.weight_sync_port": free_port(),
     }
     cmd = [*launch, "-m", "megatron_p3o.train", str(ROOT / "recipes" / recipe),
@@ -44,7 +44,8 @@ def _train(base, run_dir: Path, name: str, *sets, nproc=1, steps=3, recipe="tiny
         cmd += ["--set", s]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})},
                        timeout=900)  # fmt: skip
-    assert r.returncode == rc, r.stderr[-3000:] + "\n" + log_tail(run_dir / name)
+    said = [x for x in r.stderr.splitlines() if x.startswith(("error", "warning"))]  # one-liners
+    assert r.returncode == rc, "\n".join([*said, r.stderr[-3000:], log_tail(run_dir / name)])
     lines = (run_dir / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines], r
 
