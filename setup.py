@@ -50,7 +50,15 @@ setup(
         # bring your own agent (rollout.multi_turn.agent): the OpenAI client the agent is given
         # and the endpoint it talks to (docs/agents.md)
         "agents": ["openai", "aiohttp", "mcp"],
-        "dev": ["pytest>=8", "pytest-xdist", "ruff", "wandb", "accelerate", "openai", "aiohttp",
-                "mcp"],
+        "dev": [
+            "pytest>=8",
+            "pytest-xdist",
+            "ruff",
+            "wandb",
+            "accelerate",
+            "openai",
+            "aiohttp",
+            "mcp",
+        ],
     },
 )

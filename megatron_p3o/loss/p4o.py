@@ -27,7 +27,6 @@ from megatron_p3o.loss.terms import (
     masked_log_ratio,
 )
 
-
 EPS = 1e-30  # inside the mixture's logs only (FeynRL's eps_log)
 GATE = 1e-6  # the trust-region term is taken where 1 − e exceeds it (FeynRL's eps_gate)
 
