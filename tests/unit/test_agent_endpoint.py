@@ -53,18 +53,11 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tok):
-    """A tiny Llama over ``tok``; its end-of-turn logit raised, so turns end both ways."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A tiny Llama over ``tok`` whose turns end both ways (test_chat_templates' own), with room
+    for the tools' system block."""
+    from .test_chat_templates import _model
 
-    torch.manual_seed(0)
-    cfg = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=2048)  # fmt: skip
-    ref = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    with torch.no_grad():
-        ref.lm_head.weight.mul_(4.0)
-        ref.lm_head.weight[tok.eos_token_id] = ref.model.norm.weight * 0.0 + 0.6
-    return cfg, ref
+    return _model(tok, positions=2048)
 
 
 def engine_for(model):

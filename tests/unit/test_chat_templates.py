@@ -115,14 +115,14 @@ def test_a_qwen3_render_rewrites_the_history_which_the_trajectory_does_not(base_
     assert "why" not in text and "<|im_start|>assistant\na<|im_end|>" in text
 
 
-def _model(tok, seed=0):
+def _model(tok, seed=0, positions=256):
     """A tiny Llama over ``tok``; its end-of-turn logit raised, so turns end both ways."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=256)  # fmt: skip
+               max_position_embeddings=positions)  # fmt: skip
     ref = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     with torch.no_grad():
         ref.lm_head.weight.mul_(4.0)
