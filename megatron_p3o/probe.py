@@ -7,8 +7,9 @@ embedded engine at any precision, or an SGLang server (``rollout.sglang.url``, o
 at the same weights. Writes ``probe.json`` and ``probe.png`` to ``--out`` (default
 ``runs/<run.name>/probe/``): per-token |Δℓ| (mean, p50, p99, by completion position), per-sequence
 |ΣΔℓ|, KL(πb‖πθ), the ESS e_B and the ρ = πθ/πb histogram, every token's ℓθ and ℓb, and the stress
-study's verdict for that level (:mod:`megatron_p3o.stress.verdicts`: the v5 study's levels, v3's
-for the engines v5 did not run).
+studies' verdict (:mod:`megatron_p3o.stress.verdicts`: the v5 study's levels, v3's for the engines
+v5 did not run) — only against levels of the engine's own kind of mismatch on the shipped base
+the studies ran; otherwise "not studied".
 
 Builds the trainer as ``megatron_p3o.train`` does (one process, or torchrun) but never trains and
 never writes a checkpoint; the trainer's scratch run directory is ``OUT/trainer/`` (its
@@ -109,7 +110,7 @@ def probe(cfg, groups, n_prompts: int, con) -> dict:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from megatron_p3o.stress.probe import mismatch_stats, probe_detail
-    from megatron_p3o.stress.verdicts import verdict
+    from megatron_p3o.stress.verdicts import engine_kind, studied_task, verdict
     from megatron_p3o.trainer import Trainer
 
     engine = engine_of(cfg)
@@ -147,7 +148,8 @@ def probe(cfg, groups, n_prompts: int, con) -> dict:
 
         raise DataError(f"probe: the engine's {tokens.prompts} completions have no tokens to score")
     stats = mismatch_stats(tokens)
-    v = verdict(stats["per_token"]["mean_abs_dlogp"], stats["per_sequence"]["mean_abs_sum_dlogp"])
+    v = verdict(stats["per_token"]["mean_abs_dlogp"], stats["per_sequence"]["mean_abs_sum_dlogp"],
+                engine_kind(engine), studied_task(cfg.model.checkpoint))  # fmt: skip
     return {
         "checkpoint": str(cfg.model.checkpoint),
         "rollout": engine,

@@ -8,9 +8,9 @@
 prints the ``LEVELS`` entries of ``megatron_p3o/stress/verdicts.py`` (paste them there); a
 sequential (v5) study's report directory, which has a ``calls.csv``, is read from that instead
 (``python tools/verdict_levels.py recipes/stress_v5_tiny_cpu.yaml docs/stress_v5_tiny_cpu``). A
-level's arm **failed** when the Holm-corrected family calls it worse than P3O there; P3O
-**failed** when an arm is called better than it; every other arm that ran there **held** (no
-corrected loss: mostly "inconclusive", not "equivalent" — the table keeps the call).
+level's arm **failed** when it is called worse than P3O there, P3O when an arm is called better;
+an arm **held** when called equivalent or better, P3O when every arm is called equivalent or
+worse; the rest are **undecided** (one meaning, issue 65; the table keeps each call).
 """
 
 from __future__ import annotations
@@ -46,8 +46,32 @@ def _what(spec, grid_name: str) -> str:
     return f"{spec.family} {spec.level:g}{chain}"
 
 
+KIND = {
+    "baseline": "embedded_bf16",
+    "logit_noise": "logit_noise",
+    "weight_rounding": "weight_rounding",
+    "engine_temperature": "engine_temperature",
+}
+
+
+def _status(arms, calls, failed):
+    """(held, undecided) in the one meaning (megatron_p3o/stress/verdicts.py): an arm held when
+    called equivalent or better than P3O, P3O when every arm is called equivalent or worse;
+    neither shown: undecided."""
+    held, undecided = [], []
+    for a in arms:
+        if a in failed:
+            continue
+        if a == "p3o":
+            ok = calls and all(c in ("equivalent", "worse") for c in calls.values())
+        else:
+            ok = calls.get(a) in ("equivalent", "better")
+        (held if ok else undecided).append(a)
+    return tuple(held), tuple(undecided)
+
+
 def _level(grid, setting, spec, at, arms, failed, calls) -> dict:
-    """One setting's row: its measured mismatch (the cells' probe means), which arms held."""
+    """One setting's row: its measured mismatch (the cells' probe means), each arm's status."""
 
     def mean(k):
         return sum(c[k] for c in at) / len(at)
@@ -60,7 +84,9 @@ def _level(grid, setting, spec, at, arms, failed, calls) -> dict:
         "per_token": round(mean("probe_abs_dlogp"), 4),
         "per_sequence": round(mean("probe_abs_seq_dlogp"), 4),
         "kl": float(f"{mean('probe_kl_b_theta'):.3g}"),
-        "held": tuple(a for a in arms if a not in failed),
+        "kind": KIND.get(spec.family, spec.family),
+        "held": _status(arms, calls, failed)[0],
+        "undecided": _status(arms, calls, failed)[1],
         "failed": failed,
         "calls": calls,
     }

@@ -18,16 +18,24 @@ weights on 64 held-out prompts). Engines v5 did not run keep the **v3 study**'s 
 Only engine-side (exogenous) levels are here: what a probe can measure. Staleness, reuse and
 corrupted reported ℓb are not an engine's mismatch (the probe does not see them).
 
-An objective *failed* at a v5 level when the study calls it worse than P3O there, and P3O failed
-where an arm is called better than it; every other arm that ran there *held* (no loss: each level
-keeps its calls — "equivalent" is a decided ±0.02 margin, "undecided at cap" is not). At a v3 level
-an objective held when it had no Holm-corrected loss to its own control nor (P3O) to a
-pre-registered comparator.
+One meaning of *held* (issue 65): at a v5 level an arm **held** when it is called equivalent
+(±0.02) or better than its comparator (P3O) there, **failed** when called worse, and is
+**undecided** when undecided at the cap; P3O held when every arm is called equivalent or worse,
+failed when any is called better, and is undecided otherwise. v3 had no equivalence margin: an
+objective with no Holm-corrected loss there is **undecided** (no loss detected, none excluded),
+never held.
+
+Where the table applies (:func:`verdict`): only to an engine of a kind of mismatch a study ran
+(:func:`engine_kind`: embedded bf16 / fp8, the SGLang bf16 server, logit noise, weight rounding,
+engine temperature) on the model and task it ran (:func:`studied_task`: the shipped tiny
+addition or chain_sum base, by its ``base.json``); anything else is "not studied". Within a kind,
+the engine is placed at its nearest level of that kind, and beyond that kind's measured range it
+is said to be beyond it — no call is carried from one kind, task or level to another.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 STUDY = "v5"
 SOURCE = (
@@ -36,9 +44,9 @@ SOURCE = (
     "docs/stress_v3.md"
 )
 NOTE = (
-    "tiny models on CPU; v5's calls (8-40 paired test seeds: 'held' is no loss, equivalent "
-    "within +-0.02 or undecided at the cap), v3's for SGLang bf16, FP8, engine temperature and "
-    "logit sigma <= 0.6"
+    "the shipped tiny bases on CPU, 30 steps; v5's calls (8-40 paired test seeds: held = called "
+    "equivalent within +-0.02 or better), v3's for SGLang bf16, FP8, engine temperature and "
+    "logit sigma <= 0.6 (no loss detected = undecided)"
 )
 
 _ADD9 = ("p3o", "p3o_no_kl", "grpo", "tis", "p4o", "icepop", "m2po", "decoupled_ppo",
@@ -215,7 +223,9 @@ _V5: List[dict] = [
      'per_token': 0.0083,
      'per_sequence': 0.0224,
      'kl': 0.000169,
+     'kind': 'embedded_bf16',
      'held': ('grpo_recompute', 'p3o', 'p3o_no_kl', 'tis'),
+     'undecided': (),
      'failed': {},
      'calls': {'tis': 'equivalent', 'grpo_recompute': 'equivalent', 'p3o_no_kl': 'equivalent'}},
     {'setting': 'logit_0.9',
@@ -225,7 +235,9 @@ _V5: List[dict] = [
      'per_token': 0.281,
      'per_sequence': 0.7326,
      'kl': 0.109,
+     'kind': 'logit_noise',
      'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'undecided': (),
      'failed': {'p3o': 'tis better (+0.035 [+0.003, +0.068] at look 2 (16 seeds), p 0.02122); '
                        'grpo_recompute better (+0.030 [+0.009, +0.051] at look 2 (16 seeds), p '
                        '0.001173); p3o_no_kl better (+0.045 [+0.013, +0.077] at look 2 (16 '
@@ -238,7 +250,9 @@ _V5: List[dict] = [
      'per_token': 0.3659,
      'per_sequence': 0.988,
      'kl': 0.192,
+     'kind': 'logit_noise',
      'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'undecided': (),
      'failed': {'p3o': 'tis better (+0.138 [+0.010, +0.266] at look 1 (8 seeds), p 0.03133); '
                        'grpo_recompute better (+0.140 [+0.007, +0.273] at look 1 (8 seeds), p '
                        '0.03584); p3o_no_kl better (+0.144 [+0.043, +0.244] at look 1 (8 '
@@ -251,7 +265,9 @@ _V5: List[dict] = [
      'per_token': 0.0538,
      'per_sequence': 0.1419,
      'kl': 0.00594,
+     'kind': 'weight_rounding',
      'held': ('p3o', 'p3o_no_kl', 'tis'),
+     'undecided': (),
      'failed': {'grpo_recompute': 'worse than p3o (-0.014 [-0.026, -0.003] at look 4 (40 '
                                   'seeds), p 0.00454)'},
      'calls': {'tis': 'equivalent', 'grpo_recompute': 'worse', 'p3o_no_kl': 'equivalent'}},
@@ -262,7 +278,9 @@ _V5: List[dict] = [
      'per_token': 0.1791,
      'per_sequence': 0.5154,
      'kl': 0.0672,
+     'kind': 'weight_rounding',
      'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'undecided': (),
      'failed': {'p3o': 'tis better (+0.253 [+0.100, +0.406] at look 1 (8 seeds), p 0.001847); '
                        'grpo_recompute better (+0.117 [+0.010, +0.224] at look 1 (8 seeds), p '
                        '0.02853); p3o_no_kl better (+0.228 [+0.068, +0.387] at look 1 (8 '
@@ -275,7 +293,9 @@ _V5: List[dict] = [
      'per_token': 0.2817,
      'per_sequence': 0.7819,
      'kl': 0.117,
+     'kind': 'weight_rounding',
      'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'undecided': (),
      'failed': {'p3o': 'tis better (+0.491 [+0.401, +0.582] at look 1 (8 seeds), p 5.086e-07); '
                        'grpo_recompute better (+0.287 [+0.180, +0.394] at look 1 (8 seeds), p '
                        '6.789e-05); p3o_no_kl better (+0.467 [+0.390, +0.544] at look 1 (8 '
@@ -288,7 +308,9 @@ _V5: List[dict] = [
      'per_token': 0.0379,
      'per_sequence': 0.6879,
      'kl': 0.01,
-     'held': ('grpo_recompute', 'p3o', 'p3o_no_kl', 'tis'),
+     'kind': 'logit_noise',
+     'held': (),
+     'undecided': ('grpo_recompute', 'p3o', 'p3o_no_kl', 'tis'),
      'failed': {},
      'calls': {'tis': 'undecided at cap',
                'grpo_recompute': 'undecided at cap',
@@ -300,7 +322,9 @@ _V5: List[dict] = [
      'per_token': 0.0982,
      'per_sequence': 2.146,
      'kl': 0.0482,
+     'kind': 'logit_noise',
      'held': ('grpo_recompute', 'p3o_no_kl', 'tis'),
+     'undecided': (),
      'failed': {'p3o': 'tis better (+0.355 [+0.270, +0.440] at look 1 (8 seeds), p 4.985e-06); '
                        'grpo_recompute better (+0.358 [+0.303, +0.413] at look 1 (8 seeds), p '
                        '2.255e-07); p3o_no_kl better (+0.367 [+0.305, +0.429] at look 1 (8 '
@@ -311,8 +335,20 @@ _V5: List[dict] = [
 # v3's levels that v4 and v5 re-measured (bf16, logit σ 0.9 / 1.2 at 30 steps, the v3 chain base,
 # which could not be rebuilt on another CPU) give way to v5's
 _REPLACED = ("bf16", "logit_0.9", "logit_1.2", "chain bf16", "chain logit_1.2")
+# the kind of mismatch of each v3 level (v5's levels carry theirs from tools/verdict_levels.py)
+_V3_KIND = {"sglang_bf16": "sglang_bf16", "fp8": "embedded_fp8"}
+
+
+def _v3(lv: dict) -> dict:
+    """A v3 level in the one meaning: its "held" (no Holm-corrected loss) is undecided."""
+    kind = _V3_KIND.get(lv["setting"]) or (
+        "engine_temperature" if lv["setting"].startswith("temp") else "logit_noise"
+    )
+    return {"study": "v3", **lv, "kind": kind, "held": (), "undecided": tuple(lv["held"])}
+
+
 LEVELS: List[dict] = [{"study": "v5", **lv} for lv in _V5] + [
-    {"study": "v3", **lv} for lv in _V3 if lv["setting"] not in _REPLACED
+    _v3(lv) for lv in _V3 if lv["setting"] not in _REPLACED
 ]
 
 
@@ -320,59 +356,101 @@ def _name(lv: dict) -> str:
     return f"{lv['study']} {lv['setting']} ({lv['per_token']:.3g}/{lv['per_sequence']:.3g})"
 
 
-def verdict(per_token: float, per_sequence: float) -> dict:
-    """What the study says of an engine with this mean per-token |Δℓ| and per-sequence |ΣΔℓ|.
+def engine_kind(engine: dict) -> str:
+    """The kind of mismatch of an engine described as ``probe.engine_of`` describes it: the
+    stress perturbations it carries (``+``-joined when several), else its engine and precision
+    (``embedded_bf16``, ``embedded_fp8``, ``sglang_bf16``, ``embedded_fp32``, ...)."""
+    names = {"logit_noise": "logit_noise", "weight_rounding_step": "weight_rounding",
+             "engine_temperature": "engine_temperature"}  # fmt: skip
+    perturbed = [k for k in names if engine.get(k)]
+    if perturbed:
+        return "+".join(names[k] for k in perturbed)
+    if engine.get("engine") == "embedded":
+        prec = str(engine.get("precision"))
+        return "embedded_fp8" if prec.startswith("fp8") else f"embedded_{prec}"
+    dtype = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(
+        str(engine.get("dtype")), str(engine.get("dtype"))
+    )
+    quant = engine.get("quantization")
+    return f"sglang_{quant}" if quant else f"sglang_{dtype}"
 
-    An objective **held** here when it held at a study level with at least this mismatch on
-    both measures (it held under more); it **failed** when it failed at a level with at most
-    this mismatch on both (it failed under less); **mixed** when both, **untested** when
-    neither. Levels are named ``setting (per-token/per-sequence)``; the nearest level is the
-    closest in log-distance on both measures."""
+
+_SHIPPED_TASK = {"tiny_addition": "arithmetic", "chain_sum": "reasoning_gym:chain_sum"}
+
+
+def studied_task(checkpoint) -> str:
+    """The task a study ran, if ``checkpoint`` is a shipped base it ran (its ``base.json``,
+    next to the checkpoint, names the shipped base: ``tools/make_tiny_base.py`` and
+    ``tools/make_base.py`` write it when installing); "" otherwise."""
+    import json
+    from pathlib import Path
+
+    try:
+        info = json.loads((Path(checkpoint).parent / "base.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return _SHIPPED_TASK.get(str(info.get("shipped", "")), "")
+
+
+def _status(lv: dict, o: str) -> str:
+    if o in lv["failed"]:
+        return "failed"
+    if o in lv["held"]:
+        return "held"
+    if o in lv.get("undecided", ()):
+        return "undecided"
+    return "not run"
+
+
+def verdict(per_token: float, per_sequence: float, kind: str = "", task: str = "") -> dict:
+    """What the studies say of an engine of mismatch ``kind`` (:func:`engine_kind`) on ``task``
+    (:func:`studied_task`) with this mean per-token |Δℓ| and per-sequence |ΣΔℓ|.
+
+    Only levels of the same kind and task are used (module docstring); none: "not studied".
+    Otherwise the nearest of them (log-distance on both measures) gives each objective's
+    status there (held / failed / undecided / not run), and ``beyond_study`` says whether the
+    engine lies outside the range of per-token |Δℓ| that kind was run at (within 25% of a
+    level counts as at it: a probe's estimate on 64 prompts moves about that much)."""
     import math
 
-    above = [lv for lv in LEVELS
-             if lv["per_token"] >= per_token and lv["per_sequence"] >= per_sequence]  # fmt: skip
-    below = [lv for lv in LEVELS
-             if lv["per_token"] <= per_token and lv["per_sequence"] <= per_sequence]  # fmt: skip
-    objectives = sorted({o for lv in LEVELS for o in (*lv["held"], *lv["failed"])})
-    calls: Dict[str, dict] = {}
-    for o in objectives:
-        held = sorted((lv for lv in above if o in lv["held"]), key=lambda lv: lv["per_token"])
-        failed = sorted((lv for lv in below if o in lv["failed"]), key=lambda lv: -lv["per_token"])
-        call = ("mixed" if held and failed else "held" if held else "failed" if failed
-                else "untested")  # fmt: skip
-        calls[o] = {"call": call}
-        if held:  # the least mismatch it held under that bounds this engine's
-            calls[o]["held_at"] = _name(held[0])
-        if failed:  # the most mismatch it failed under that this engine's bounds
-            calls[o]["failed_at"] = _name(failed[0])
-            calls[o]["why"] = failed[0]["failed"][o]
+    same = [lv for lv in LEVELS if lv["kind"] == kind and lv["task"] == task]
+    base = {"study": STUDY, "source": SOURCE, "note": NOTE, "kind": kind, "task": task,
+            "rule": "held: called equivalent (+-0.02) or better than its comparator at the "
+            "nearest level of this kind and task; failed: called worse; undecided: neither "
+            "shown; not studied: no level of this kind and task"}  # fmt: skip
+    if not same:
+        kinds = sorted({(lv["kind"], lv["task"]) for lv in LEVELS})
+        what = (f"kind {kind!r}" if task else "this model") + (f" on {task}" if task else "")
+        return {**base, "studied": False, "beyond_study": None, "nearest_level": None,
+                "objectives": {}, "held": [], "failed": [], "undecided": [],
+                "summary": f"not studied: no stress level of {what} in the {STUDY} or v3 "
+                f"study (they ran the shipped tiny bases; studied kinds and tasks: "
+                f"{', '.join(f'{k} ({t})' for k, t in kinds)})"}  # fmt: skip
 
     def dist(lv):
         t = math.log(max(per_token, 1e-12) / lv["per_token"])
-        s = math.log(max(per_sequence, 1e-12) / lv["per_sequence"])
-        return math.hypot(t, s)
+        q = math.log(max(per_sequence, 1e-12) / lv["per_sequence"])
+        return math.hypot(t, q)
 
-    near = min(LEVELS, key=dist)
-    at_near = ("failed" if "p3o" in near["failed"] else "held" if "p3o" in near["held"]
-               else "was not run")  # fmt: skip
+    near = min(same, key=dist)
+    lo, hi = min(lv["per_token"] for lv in same), max(lv["per_token"] for lv in same)
+    beyond = not (lo <= per_token <= hi) and not math.isclose(per_token, near["per_token"],
+                                                              rel_tol=0.25)  # fmt: skip
+    objectives = sorted({o for lv in same for o in
+                         (*lv["held"], *lv["failed"], *lv.get("undecided", ()))})  # fmt: skip
+    calls = {o: {"call": _status(near, o), "at": _name(near)} for o in objectives}
+    for o, c in calls.items():
+        if c["call"] == "failed":
+            c["why"] = near["failed"][o]
     by = {c: [o for o in objectives if calls[o]["call"] == c]
-          for c in ("held", "failed", "mixed", "untested")}  # fmt: skip
-    p3o = calls["p3o"]
-    claim = {
-        "held": "P3O held at at least this mismatch",
-        "failed": "P3O failed at this mismatch or less",
-        "mixed": "P3O both held and failed around this mismatch",
-        "untested": "no study level brackets this mismatch for P3O",
-    }[p3o["call"]]
-    parts = [f"{c}: {', '.join(by[c])}" for c in ("held", "failed", "mixed") if by[c]]
-    beyond = not above
+          for c in ("held", "failed", "undecided")}  # fmt: skip
+    where = (f"beyond the {kind} levels run ({lo:.3g}–{hi:.3g} per token; no call carried "
+             f"there), the nearest {_name(near)} [{near['what']}]" if beyond
+             else f"nearest {kind} level {_name(near)} [{near['what']}]")  # fmt: skip
+    parts = [f"{c}: {', '.join(by[c])}" for c in ("held", "failed", "undecided") if by[c]]
     return {
-        "study": STUDY,
-        "source": SOURCE,
-        "note": NOTE,
-        "rule": "held: held at a study level with at least this per-token and per-sequence "
-        "|Δℓ|; failed: failed at a level with at most both; mixed: both; untested: neither",
+        **base,
+        "studied": True,
         "beyond_study": beyond,
         "nearest_level": {
             **{
@@ -382,18 +460,17 @@ def verdict(per_token: float, per_sequence: float) -> dict:
                     "setting",
                     "grid",
                     "task",
+                    "kind",
                     "what",
                     "per_token",
                     "per_sequence",
                     "kl",
                 )
-            },
-            "p3o": at_near,
-        },  # fmt: skip
+            },  # fmt: skip
+            "p3o": _status(near, "p3o"),
+        },
         "objectives": calls,
         **by,
-        "summary": f"{STUDY} study ({NOTE}): {claim}"
-        + (" (beyond the largest mismatch the study measured)" if beyond else "")
-        + f"; nearest level {_name(near)} [{near['what']}], where P3O {at_near}; "
+        "summary": f"{STUDY} study ({NOTE}): {where}, where P3O {_status(near, 'p3o')}; "
         + "; ".join(parts),
     }
