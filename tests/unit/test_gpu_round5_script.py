@@ -15,15 +15,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_round5_script_runs_here(tmp_path):
+def _run_on_cpu(script: str, out: Path, report: str):
+    """``tools/<script> --device cpu --out OUT``: its JSON report and its stdout."""
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tools/gpu_round5.py"), "--device", "cpu", "--out",
-         str(tmp_path)],
+        [sys.executable, str(ROOT / "tools" / script), "--device", "cpu", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    rep = json.loads((tmp_path / "round5.json").read_text())
+    return json.loads((out / report).read_text()), r.stdout
+
+
+def test_gpu_round5_script_runs_here(tmp_path):
+    rep, stdout = _run_on_cpu("gpu_round5.py", tmp_path, "round5.json")
     assert rep["ipc_payloads"] == {"skipped": "no GPU"}
     assert rep["cached_memory"] == {"skipped": "no GPU"}
     co = rep["colocated"]
@@ -41,7 +45,7 @@ def test_gpu_round5_script_runs_here(tmp_path):
                                  ["cuda_graph", "kv_cache"]]  # fmt: skip
     assert co["server_devices"] == ["cpu"] and co["memory"] == {"skipped": "no GPU"}
     assert ("RESULT round5 colocated=ok cached_returned=skipped ipc_per_receiver=skipped "
-            "ipc_shared_second_intact=skipped") in r.stdout  # fmt: skip
+            "ipc_shared_second_intact=skipped") in stdout  # fmt: skip
 
 
 def _round5():
@@ -97,14 +101,7 @@ def test_gpu_round6_script_runs_here(tmp_path):
     """tools/gpu_check.sh's round-6 step (issue 63) on CPU tensors: the padded-vocabulary
     chunks against float64 and the payload aliasing check run; the free-memory part is
     skipped (no CUDA memory here)."""
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tools/gpu_round6.py"), "--device", "cpu", "--out",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    rep = json.loads((tmp_path / "round6.json").read_text())
+    rep, stdout = _run_on_cpu("gpu_round6.py", tmp_path, "round6.json")
     assert rep["padded_chunks"]["ok"] and max(rep["padded_chunks"]["rel"].values()) < 1e-4
     assert rep["payload_aliasing"] == {"ok": True, "shares_storage": False}
     assert "skipped" in rep["colocated_fraction"]
