@@ -252,3 +252,21 @@ def test_tool_calls_the_engine_writes_reach_the_agent_and_the_tokens_stay_the_en
         assert outs == [call_ids, call_ids, answer_ids]
         a, b = s.meta["turn_spans"][0]
         assert s.completion_ids[a:b] == call_ids  # as the engine wrote them
+
+
+def test_a_missing_client_package_is_one_error_when_the_loop_is_built(tok, monkeypatch):
+    """Without the agents extra (openai, aiohttp; mcp with mcp_servers) the loop is refused when
+    it is built, in one line naming the key and the install — not at the first rollout."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n in ("openai", "mcp") else real(n, *a))  # fmt: skip
+    cfg = MultiTurnConfig(agent="tests.agents:three_turns")
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.agent needs openai: pip install"):
+        build_turn_loop(cfg, tok, True, (tok.eos_token_id,))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "mcp" else real(n, *a))  # fmt: skip
+    cfg = MultiTurnConfig(agent="tests.agents:three_turns", mcp_servers=[{"url": "http://x"}])
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.mcp_servers needs mcp"):
+        build_turn_loop(cfg, tok, True, (tok.eos_token_id,))

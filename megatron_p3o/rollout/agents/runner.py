@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
 import math
 import time
@@ -50,13 +51,22 @@ def agent_function(spec: str):
     return fn
 
 
-def _client(base_url: str, timeout_s: float):
-    try:
-        import openai
-    except ImportError:
+def _needs(cfg) -> None:
+    """The packages an agent rollout imports, checked when the loop is built (not at the first
+    rollout): one line naming the key and the install."""
+    wanted = ["openai", "aiohttp"] + (["mcp"] if cfg.mcp_servers else [])
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    if missing:
+        key = "rollout.multi_turn." + ("mcp_servers" if missing == ["mcp"] else "agent")
         raise ConfigError(
-            "rollout.multi_turn.agent needs the openai client: pip install -e '.[agents]'"
-        ) from None
+            f"{key} needs {', '.join(missing)}: pip install 'megatron-p3o[agents]' (from a "
+            "checkout: pip install -e '.[agents]')"
+        )
+
+
+def _client(base_url: str, timeout_s: float):
+    import openai
+
     return openai.AsyncOpenAI(base_url=base_url, api_key="p3o-rollout", max_retries=0,
                               timeout=timeout_s)  # fmt: skip
 
@@ -66,6 +76,7 @@ class AgentEpisodes:
 
     def __init__(self, cfg, tok, stop_ids):
         self.cfg, self.tok, self.stop_ids = cfg, tok, tuple(stop_ids)
+        _needs(cfg)
         self.fn = agent_function(cfg.agent)
         self.parser = tool_parser(cfg.tool_parser)
         self.endpoint = None
