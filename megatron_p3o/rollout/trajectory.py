@@ -24,6 +24,16 @@ from typing import List, Optional, Tuple
 from megatron_p3o.types import Sample
 
 ENV_VERSION = -1  # the weight version of a token the environment wrote
+
+
+def turn_seed(batch_seed: Optional[int], k: int, turn: int) -> Optional[int]:
+    """The seed of trajectory ``k``'s turn ``turn`` (None: unseeded): no trajectory's draws
+    depend on when the others finish."""
+    if batch_seed is None:
+        return None
+    return ((batch_seed * 1_000_003 + k) * 1009 + turn) % 2**62
+
+
 STATUSES = ("completed", "truncated", "tool_error", "aborted")
 
 

@@ -37,7 +37,7 @@ from megatron_p3o.env.config import MultiTurnConfig
 from megatron_p3o.env.types import EnvItem, StepResult
 from megatron_p3o.rollout.chat_pieces import ChatPieces, encode_observation
 from megatron_p3o.rollout.sglang.protocol import routing_key
-from megatron_p3o.rollout.trajectory import Trajectory
+from megatron_p3o.rollout.trajectory import Trajectory, turn_seed  # noqa: F401 - re-exported
 from megatron_p3o.runtime.errors import UserError
 from megatron_p3o.types import Sample, SamplingParams
 
@@ -46,13 +46,6 @@ POLL_S = 0.2  # how often a rollout looks for a stop signal
 
 class AllAborted(UserError, RuntimeError):
     """Every trajectory of a rollout was aborted: nothing to train on (the message says why)."""
-
-
-def turn_seed(batch_seed: Optional[int], k: int, turn: int) -> Optional[int]:
-    """The seed of trajectory ``k``'s turn ``turn`` (None: unseeded)."""
-    if batch_seed is None:
-        return None
-    return ((batch_seed * 1_000_003 + k) * 1009 + turn) % 2**62
 
 
 class TurnLoop:

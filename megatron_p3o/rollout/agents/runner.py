@@ -35,6 +35,7 @@ from megatron_p3o.rollout.agents.endpoint import MODEL, Endpoint
 from megatron_p3o.rollout.agents.session import AgentSession, RequestError
 from megatron_p3o.rollout.agents.tool_parsers import tool_parser
 from megatron_p3o.rollout.sglang.protocol import routing_key
+from megatron_p3o.rollout.trajectory import turn_seed
 from megatron_p3o.runtime.errors import ConfigError
 
 
@@ -103,8 +104,6 @@ class AgentEpisodes:
 
     async def episode(self, loop, server, t, item, sampling) -> None:
         """Trajectory ``t``'s episode (admitted by the caller)."""
-        from megatron_p3o.rollout.turns import turn_seed
-
         c = self.cfg
         session = AgentSession(t, self.tok, self.parser, c.max_turns, self.stop_ids,
                                c.max_prompt_tokens)  # fmt: skip
