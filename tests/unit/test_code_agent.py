@@ -78,5 +78,7 @@ def test_a_wrong_answer_scores_zero_and_a_spinning_snippet_is_its_outcome(tok):
     out, _ = rollout(tok, eng, n_prompts=2, n=1)
     for s in out:
         (span,) = appended_spans(s)
-        assert "[cpu_limit]" in tok.decode(span) and s.meta["status"] == "completed"
+        # the CPU limit stops it, or the wall limit first on a loaded machine (CI saw both)
+        text = tok.decode(span)
+        assert ("[cpu_limit]" in text or "[timeout]" in text) and s.meta["status"] == "completed"
         assert s.reward == 0.0  # the outcome's text is not the answer
