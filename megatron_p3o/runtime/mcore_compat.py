@@ -9,10 +9,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-import megatron.core
-from packaging.version import Version
-
-MCORE_VERSION = Version(megatron.core.__version__)
+# megatron.core is imported by the functions that call it, not here: loading and checking a
+# recipe (config/, the one-line errors of ``--dry-run``) imports this module and must not pay
+# megatron.core's ~4 s import
 
 
 def _accepts(fn, name: str) -> bool:

@@ -248,6 +248,7 @@ def test_tool_calls_the_engine_writes_reach_the_agent_and_the_tokens_stay_the_en
     assert inv["episodes"] >= 50 and inv["turns"] >= 150 and inv["violations"] == 0, inv
     for k, s in enumerate(out):
         assert s.reward == 2.0 and s.meta["malformed_calls"] == 0, s.meta
+        assert s.meta["tool_calls"] == 2  # the calls parsed, counted per trajectory
         outs = [o for _, o, _, _ in calls[k]]
         assert outs == [call_ids, call_ids, answer_ids]
         a, b = s.meta["turn_spans"][0]

@@ -146,6 +146,7 @@ class AgentSession:
         msg = {"role": "assistant", "content": parsed.content or None}
         if parsed.tool_calls:
             msg["tool_calls"] = parsed.tool_calls
+            t.tool_calls += len(parsed.tool_calls)  # meta["tool_calls"]: the calls parsed
             finish = "tool_calls"
         else:
             finish = "stop" if sample.finish_reason == "stop" else "length"
