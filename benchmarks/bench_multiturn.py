@@ -272,7 +272,9 @@ def sglang(tok, prompts, items, a, results):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=256, help="trajectories of the tool comparison")
-    ap.add_argument("--episodes", type=int, default=64)
+    ap.add_argument("--episodes", type=int, default=256,
+                    help="part 2's trajectories (256: the tool recipe's rollout, 32 prompts x 8; "
+                         "64 before 2026-12-07 noon)")  # fmt: skip
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--turn-tokens", type=int, default=12)
     ap.add_argument("--obs-tokens", type=int, default=8)
