@@ -123,6 +123,22 @@ def tool_base(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def code_base(tmp_path_factory):
+    """The agent recipe's base (``bases/tool_code``, installed by ``tools/make_base.py --task
+    tool_code``): HF, Megatron, the task's splits."""
+    from tests.e2e.cli import ENV, ROOT
+
+    def build(d):
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "tools/make_base.py"), "--task", "tool_code", "--out",
+             str(d / "base")], capture_output=True, text=True, env=ENV, timeout=900,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "code_base", build) / "base"
+
+
+@pytest.fixture(scope="session")
 def moe_base(tmp_path_factory):
     """A tiny random Qwen3-MoE (4 experts, top-2) on the addition task: HF and Megatron."""
     from tests.e2e.cli import ENV, ROOT

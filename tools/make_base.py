@@ -5,6 +5,7 @@ Llama on the task's scratchpad completions, stopped inside a target held-out acc
     python tools/make_base.py --task chain_sum --train --out runs/my_base [--seed 0]
     python tools/make_base.py --task tool_calc --out runs/tool_base      # the shipped tool base
     python tools/make_base.py --task tool_calc --train --out runs/my_tool_base [--seed 0]
+    python tools/make_base.py --task tool_code --out runs/code_base      # the shipped code base
         [--target-acc 0.40] [--max-steps 3000]
 
 Without ``--train`` it installs the base shipped in ``bases/<task>`` (``tools/shipped_base.py``:
@@ -14,6 +15,8 @@ machine, 0.69 on another). ``--train`` makes a new one:
 
 ``tool_calc`` (``recipes/tiny_cpu_tools.yaml``): arithmetic with a calculator tool, multi-turn
 (``tools/tool_base.py`` says how its base is warmed up: a mix of tool calls and direct answers).
+``tool_code`` (``recipes/tiny_cpu_code.yaml``): the same arithmetic answered through a sandboxed
+``python`` call in the hermes format, the rollout an agent on the OpenAI client (same warm-up).
 
 ``chain_sum`` (``recipes/chain_cpu.yaml``): reasoning-gym's chain_sum with 5–7 one-digit terms
 in the ``chain_scratchpad`` format (``3+7-2+9-4=`` → ``3+7=10;10-2=8;8+9=17;17-4=13;#13``):
@@ -46,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+TOOL_TASKS = ("tool_calc", "tool_code")  # tools/tool_base.py
 # task -> (reasoning-gym dataset, its config, format); the recipe's data.task* keys must match
 TASKS = {
     "chain_sum": (
@@ -111,8 +115,8 @@ def main(argv=None) -> int:
     if a.task == "addition":
         print("make_base: the addition base is tools/make_tiny_base.py --out DIR", file=sys.stderr)
         return 2
-    if a.task not in TASKS and a.task != "tool_calc":
-        print(f"make_base: --task {a.task!r}: known tasks {sorted([*TASKS, 'tool_calc'])}",
+    if a.task not in TASKS and a.task not in TOOL_TASKS:
+        print(f"make_base: --task {a.task!r}: known tasks {sorted([*TASKS, *TOOL_TASKS])}",
               file=sys.stderr)  # fmt: skip
         return 2
     out = Path(a.out)
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
     from megatron_p3o.runtime.quiet import silence_known_warnings
 
     silence_known_warnings()
-    if a.task == "tool_calc":
+    if a.task in TOOL_TASKS:
         return _tool_base(out, a)
     from rich.progress import Progress
     from shipped_base import MODEL  # tools/ (this script's folder)
@@ -245,7 +249,7 @@ def _tool_base(out: Path, a) -> int:
     from checkpoints_convert.hf_to_megatron import convert
     from megatron_p3o.runtime.parallel import Layout, initialize
 
-    info = train(out, a.seed, batch=a.batch)  # tools/tool_base.PHASES (their rates)
+    info = train(out, a.seed, batch=a.batch, task=a.task)  # tools/tool_base.PHASES
     convert(str(out / "hf"), str(out / "ckpt"), groups=initialize(Layout()), dtype="float32")
     write_base_json(out, info)
     print(json.dumps(info))

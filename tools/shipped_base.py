@@ -97,8 +97,8 @@ def install(name: str, out: Path, root: Path = BASES) -> dict:
         train, held = splits(seed=int(info.get("seed", 0)))
         write_jsonl(train, tmp / "train.jsonl")
         write_jsonl(held, tmp / "heldout.jsonl")
-    if info.get("task") == "tool_calc":  # Python's own random: the same splits everywhere
-        from megatron_p3o.data.tasks import tool_calc
+    if info.get("task") in ("tool_calc", "tool_code"):  # Python's own random: the same
+        from megatron_p3o.data.tasks import tool_calc  # splits everywhere (tool_code's are these)
 
         train, held = tool_calc.splits()
         tool_calc.write_jsonl(train, tmp / "train.jsonl")

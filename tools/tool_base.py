@@ -1,5 +1,8 @@
-"""The tool-use base (``tools/make_base.py --task tool_calc --train``): a small Llama warmed up
-on the calculator task's conversations, some calling the tool and some answering directly.
+"""The tool-use bases (``tools/make_base.py --task tool_calc|tool_code --train``): a small Llama
+warmed up on the task's conversations, some calling the tool and some answering directly —
+``tool_calc`` the calculator (``<calc>`` tags, :class:`~megatron_p3o.env.calc_env.CalculatorEnv`),
+``tool_code`` a hermes ``python`` call run in the sandbox (the bundled code agent through the
+OpenAI-compatible endpoint, :mod:`megatron_p3o.rollout.agents.code_agent`).
 
 Why a mix: RL needs something to learn. Trained on tool conversations only, the base would call
 the calculator every time and copy its answer (nothing left to improve); on direct answers only,
@@ -14,8 +17,8 @@ shrug after.
 
 The loss is on the assistant's tokens only (both turns of a tool conversation); the user's and
 the tool's tokens are context. Held-out accuracy is measured through the trainer's own turn loop
-(:class:`megatron_p3o.rollout.turns.TurnLoop`, greedy, fp32 embedded engine, the bundled
-:class:`~megatron_p3o.env.calc_env.CalculatorEnv`): the number the RL recipe starts from.
+(:class:`megatron_p3o.rollout.turns.TurnLoop`, greedy, fp32 embedded engine, the recipe's
+environment or agent): the number the RL recipe starts from.
 """
 
 from __future__ import annotations
@@ -29,17 +32,33 @@ import torch
 from shipped_base import MODEL  # tools/: the chain base's size, the same here
 
 ENV = "megatron_p3o.env.calc_env:CalculatorEnv"
-MAX_TURNS, MAX_TOTAL, MAX_NEW = 3, 48, 16  # = recipes/tiny_cpu_tools.yaml
+AGENT = "megatron_p3o.rollout.agents.code_agent:agent"
+# task -> (multi_turn keys, max_new_tokens per turn): = recipes/tiny_cpu_tools.yaml and
+# recipes/tiny_cpu_code.yaml; whether a trajectory called its tool
+LOOPS = {
+    "tool_calc": (dict(env=ENV, max_turns=3, max_total_tokens=48), 16),
+    "tool_code": (dict(agent=AGENT, tool_parser="hermes", max_turns=3, max_total_tokens=64,
+                       max_prompt_tokens=32, tool_timeout_s=10.0), 24),
+}  # fmt: skip
+
+
+def _called(s) -> bool:
+    return s.meta["tool_calls"] > 0  # the calculator's calls, or the calls the endpoint parsed
 
 
 SHRUG = "?"  # the direct answer the warm-up teaches (see the module docstring)
 
 
-def _examples(tok, rows, tool_share: float, rng: random.Random, direct=None):
+def _task(name: str):
+    import importlib
+
+    return importlib.import_module(f"megatron_p3o.data.tasks.{name}")
+
+
+def _examples(tok, rows, tool_share: float, rng: random.Random, direct=None, task="tool_calc"):
     """(ids, labels) of warm-up conversations: labels −100 except the assistant's tokens;
     ``direct``: the direct answer taught (None: the true value)."""
-    from megatron_p3o.data.tasks.tool_calc import conversation
-
+    conversation = _task(task).conversation
     out = []
     for r in rows:
         msgs = conversation(r["prompt"], r["answer"], rng.random() < tool_share, direct or "")
@@ -59,7 +78,7 @@ def _examples(tok, rows, tool_share: float, rng: random.Random, direct=None):
     return out
 
 
-def heldout(model, tok, rows, limit: int) -> dict:
+def heldout(model, tok, rows, limit: int, task: str = "tool_calc") -> dict:
     """Greedy held-out accuracy and tool-call rate through the trainer's turn loop."""
     from megatron_p3o.data.prompts import encode_prompt
     from megatron_p3o.env.config import MultiTurnConfig
@@ -71,17 +90,21 @@ def heldout(model, tok, rows, limit: int) -> dict:
     cfg = model.config.to_dict()
     engine = EmbeddedEngine(cfg, "fp32", pad_token_id=tok.pad_token_id)
     engine.update_weights([list(model.state_dict().items())], 0)
-    mt = MultiTurnConfig(env=ENV, max_turns=MAX_TURNS, max_total_tokens=MAX_TOTAL)
-    loop = build_turn_loop(mt, tok, True)
+    keys, max_new = LOOPS[task]
+    loop = build_turn_loop(MultiTurnConfig(**keys), tok, True, (tok.eos_token_id,))
     rows = rows[:limit]
     prompts = [encode_prompt(tok, r["prompt"], chat=True) for r in rows]
     items = [EnvItem(i, r["prompt"], r["answer"], i) for i, r in enumerate(rows)]
-    sp = SamplingParams(top_k=1, max_new_tokens=MAX_NEW, stop_token_ids=(tok.eos_token_id,), seed=0)
-    out = loop.run(engine, prompts, items, 1, sp)
+    sp = SamplingParams(top_k=1, max_new_tokens=max_new, stop_token_ids=(tok.eos_token_id,),
+                        seed=0)  # fmt: skip
+    try:
+        out = loop.run(engine, prompts, items, 1, sp)
+    finally:
+        loop.close()
     n = len(out)
     return {
         "acc": sum(s.reward for s in out) / n,
-        "tool_call_rate": sum(s.meta["tool_calls"] > 0 for s in out) / n,
+        "tool_call_rate": sum(_called(s) for s in out) / n,
     }
 
 
@@ -104,15 +127,15 @@ def _batches(pool, g, batch: int, pad: int):
     return x, y
 
 
-def train(out: Path, seed: int, phases=PHASES, batch: int = 64, start=None):
+def train(out: Path, seed: int, phases=PHASES, batch: int = 64, start=None, task="tool_calc"):
     """Tokenizer, warm-up, ``hf/`` and the data files under ``out``; returns base.json's facts.
     ``start``: ``(phase, weights dir)`` to begin at a later phase from a model that finished the
     earlier ones (the batches of those phases are drawn again, so the run is the same)."""
     from rich.progress import Progress
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_p3o.data.tasks.tool_calc import make_tokenizer, splits, write_jsonl
-
+    mod = _task(task)
+    make_tokenizer, splits, write_jsonl = mod.make_tokenizer, mod.splits, mod.write_jsonl
     t0 = time.time()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     train_rows, held_rows = splits(seed=0)
@@ -121,7 +144,8 @@ def train(out: Path, seed: int, phases=PHASES, batch: int = 64, start=None):
     write_jsonl(held_rows, out / "heldout.jsonl")
     tok = make_tokenizer(out / "hf", train_rows)
     rng = random.Random(seed)
-    pools = [_examples(tok, train_rows, share, rng, direct) for _, share, direct, _ in phases]
+    pools = [_examples(tok, train_rows, share, rng, direct, task)
+             for _, share, direct, _ in phases]  # fmt: skip
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(tok),
@@ -143,23 +167,23 @@ def train(out: Path, seed: int, phases=PHASES, batch: int = 64, start=None):
         for k in range(first, len(phases)):
             steps, _, _, lr = phases[k]
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-            task = bar.add_task(f"SFT tool_calc, phase {k + 1}", total=steps)
+            job = bar.add_task(f"SFT {task}, phase {k + 1}", total=steps)
             for step in range(1, steps + 1):
                 x, y = _batches(pools[k], g, batch, tok.pad_token_id)
                 loss = model(input_ids=x, labels=y).loss
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                bar.advance(task)
+                bar.advance(job)
                 if step % 250 == 0:
-                    h = heldout(model, tok, held_rows, 100)
+                    h = heldout(model, tok, held_rows, 100, task)
                     bar.console.print(f"phase {k + 1} step {step}: loss {loss.item():.3f}, "
                                       f"held-out (100) {h}")  # fmt: skip
     model.eval()
     model.save_pretrained(out / "hf")
-    h = heldout(model, tok, held_rows, len(held_rows))
+    h = heldout(model, tok, held_rows, len(held_rows), task)
     return {
-        "task": "tool_calc",
+        "task": task,
         "seed": seed,
         "phases": [list(p) for p in phases],
         "heldout_greedy_acc": round(h["acc"], 4),
