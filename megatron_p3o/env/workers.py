@@ -194,7 +194,10 @@ class EnvWorker:
         """SIGKILL and reap (a tool stuck in C code or ``while True`` ends here)."""
         self.dead = True
         if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
+            try:  # it may die between the two calls (the forkserver, its parent, reaps it)
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.join(5)
         self.conn.close()
 
@@ -296,6 +299,13 @@ class Episode:
             return await self.worker.call("step", text, timeout_s)
         out = await _on_loop(lambda: self.env.step(text), timeout_s)
         return ("ok", _cut_result(out[1], self.host.spec.max_chars)) if out[0] == "ok" else out
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """An on-loop environment's ``aclose()`` (a remote session to end), bounded; its
+        failure is not the episode's."""
+        fn = getattr(self.env, "aclose", None)
+        if fn is not None:
+            await _on_loop(fn, timeout_s)
 
     def close(self) -> None:
         if self.worker is not None:
