@@ -21,6 +21,14 @@ rm -f "$sglang_rc"
 setsid -w bash -c 'bash tools/sglang_env.sh; rc=$?; echo $rc > "$1.tmp"; mv "$1.tmp" "$1"; exit $rc' \
   _ "$sglang_rc" > "$sglang_log" 2>&1 &
 sglang_pid=$!
+# the OpenEnv server environment (tools/openenv_env.sh, ≈ 1 min) the same way: only
+# tests/e2e/test_openenv.py needs it; its fixture waits for $P3O_OPENENV_ENV_RC
+openenv_log=.cache/openenv_env.log
+openenv_rc=$PWD/.cache/openenv_env.rc
+rm -f "$openenv_rc"
+setsid -w bash -c 'bash tools/openenv_env.sh; rc=$?; echo $rc > "$1.tmp"; mv "$1.tmp" "$1"; exit $rc' \
+  _ "$openenv_rc" > "$openenv_log" 2>&1 &
+openenv_pid=$!
 # the wheel (non-editable, its own venv) beside them: also mostly pip's disk I/O
 wheel_log=.cache/wheel_check.log
 wheel_pid=
@@ -28,7 +36,7 @@ if [[ ${WHEEL_CHECK:-1} != 0 ]]; then
   setsid -w bash tools/wheel_check.sh > "$wheel_log" 2>&1 &
   wheel_pid=$!
 fi
-trap 'kill -- -"$sglang_pid" 2> /dev/null || true; [[ -z $wheel_pid ]] || kill -- -"$wheel_pid" 2> /dev/null || true' EXIT
+trap 'kill -- -"$sglang_pid" 2> /dev/null || true; kill -- -"$openenv_pid" 2> /dev/null || true; [[ -z $wheel_pid ]] || kill -- -"$wheel_pid" 2> /dev/null || true' EXIT
 [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
@@ -45,7 +53,9 @@ fi
 SGLANG_PYTHON=$(realpath -m "${SGLANG_VENV:-.venv-sglang}")/bin/python
 P3O_SGLANG_ENV_RC=$sglang_rc
 P3O_SGLANG_ENV_LOG=$PWD/$sglang_log
-export SGLANG_PYTHON P3O_SGLANG_ENV_RC P3O_SGLANG_ENV_LOG
+P3O_OPENENV_ENV_RC=$openenv_rc
+P3O_OPENENV_ENV_LOG=$PWD/$openenv_log
+export SGLANG_PYTHON P3O_SGLANG_ENV_RC P3O_SGLANG_ENV_LOG P3O_OPENENV_ENV_RC P3O_OPENENV_ENV_LOG
 # SGLang's pinned release, read as text (never imported) by tests/unit/test_sglang_protocol.py
 SGLANG_PIN=$(sed -n 's/.*"sglang==\([0-9.]*\)".*/\1/p' setup.py | head -1)
 if ! ls .cache/sglang/sglang-"$SGLANG_PIN"-*.whl > /dev/null 2>&1; then
@@ -79,5 +89,12 @@ if ((sglang_ok != 0)); then
   exit 1
 fi
 grep -v "^WARNING: Location" "$sglang_log" | tail -3
+openenv_ok=0
+wait "$openenv_pid" || openenv_ok=$?
+if ((openenv_ok != 0)); then
+  tail -30 "$openenv_log" >&2
+  echo "run_tests: tools/openenv_env.sh failed (log above, also in $openenv_log)" >&2
+  exit 1
+fi
 # pytest exit 5 = no tests collected: treat as failure, a suite that runs nothing proves nothing.
 exit $rc

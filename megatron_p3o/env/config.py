@@ -145,7 +145,7 @@ def env_class(cfg: MultiTurnConfig):
     args = dict(cfg.env_args)
     try:
         probe = cls(**args)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"rollout.multi_turn.env_args={args}: {cls.__name__}: {e}") from None
     for method in ("reset", "step"):
         if not callable(getattr(probe, method, None)):

@@ -151,6 +151,7 @@ class TurnLoop:
             while t.status is None:
                 await self._turn(server, ep, t, sampling, key)
         finally:
+            await ep.aclose()
             ep.close()
             server.release(t.index)
 
