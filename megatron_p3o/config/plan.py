@@ -454,6 +454,11 @@ def dry_run(
     plan = make_plan(cfg, world_size, desc, div)
     lines = format_plan(cfg, plan, desc, gpu_gib)
     lines.append(placement(cfg, world_size, gpus_per_node, nodes))
+    mt = cfg.rollout.multi_turn
+    if mt is not None and mt.env:  # imported and built once: a wrong name or argument (an
+        from megatron_p3o.env.config import env_class  # OpenEnv URL) is one line now
+
+        env_class(mt)
     if cfg.rollout.engine == "sglang":  # this machine's driver and GPUs (a login node: none)
         from megatron_p3o.rollout.sglang.preflight import report
 

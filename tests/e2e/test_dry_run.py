@@ -63,3 +63,15 @@ def test_placement_counts_trainer_and_rollout_gpus():
     assert "8 nodes × 8 GPUs, 64 in all" in line, line
     r = _dry("llama31_70b_h100x64.yaml", "--nodes", 4)
     assert r.returncode == 2 and "--nodes 4" in r.stderr and "5 in all" in r.stderr, r.stderr
+
+
+def test_a_wrong_environment_argument_is_one_line_at_the_dry_run():
+    """The environment is built once by the dry run: an OpenEnv URL that is not http(s) is one
+    line naming the key (issue 64), not an error at the first rollout."""
+    r = _dry("tiny_cpu_tools.yaml", "--set", "model.hf_config=" + str(
+        ROOT / "recipes/models/tool-llama/config.json"), "--set",
+        "rollout.multi_turn.env=megatron_p3o.env.openenv_client:OpenEnvClient", "--set",
+        "rollout.multi_turn.env_args={url: 'localhost:8000'}")  # fmt: skip
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    assert "rollout.multi_turn.env_args" in err[0] and "localhost:8000" in err[0], err
