@@ -17,12 +17,14 @@ trajectory's; ``done`` ends it. ``reset`` sends the episode's seed (``reset`` ad
 as the prompt's answer under a key the environment reads: ``answer_key``).
 
 An ``async def step`` environment: it runs on the rollout's event loop (its waits are the
-server's), bounded by ``rollout.multi_turn.tool_timeout_s`` like every step; a server error,
-a closed connection or a refused session is the step's failure (the error observation).
+server's), bounded by ``rollout.multi_turn.tool_timeout_s`` like every step; a server error or
+a closed connection is the step's failure (the error observation); a session refused because
+the server is at its ``max_concurrent_envs`` is waited for (:meth:`OpenEnvClient.reset`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Dict, Optional
 
@@ -30,7 +32,12 @@ from megatron_p3o.env.types import EnvItem, StepResult
 
 
 class OpenEnvError(RuntimeError):
-    """The server answered with an error, or the session could not be held."""
+    """The server answered with an error (``code``: its error code), or the session could not
+    be held."""
+
+    def __init__(self, message: str, code: Optional[str] = None):
+        super().__init__(message)
+        self.code = code
 
 
 class OpenEnvClient:
@@ -81,7 +88,8 @@ class OpenEnvClient:
         reply = json.loads(msg.data)
         if reply.get("type") == "error":
             d = reply.get("data", {})
-            raise OpenEnvError(f"OpenEnv server {self.url}: {d.get('code')}: {d.get('message')}")
+            code = d.get("code")
+            raise OpenEnvError(f"OpenEnv server {self.url}: {code}: {d.get('message')}", code)
         if reply.get("type") != "observation":
             raise OpenEnvError(f"OpenEnv server {self.url}: unexpected {reply.get('type')!r}")
         return reply.get("data", {})
@@ -99,11 +107,24 @@ class OpenEnvClient:
         return None if v is None else str(v)
 
     async def reset(self, item: EnvItem) -> Optional[str]:
-        await self._open()
+        """A session, then the reset. A server at its ``max_concurrent_envs`` refuses the
+        session (``CAPACITY_REACHED``): the episode waits for a free one, asking again with
+        backoff (50 ms doubling to 1 s), as long as ``tool_timeout_s`` allows."""
         data = {"seed": item.seed, **self.reset_args}
         if self.answer_key is not None:
             data[self.answer_key] = item.answer
-        out = await self._ask({"type": "reset", "data": data})
+        wait = 0.05
+        while True:
+            await self._open()
+            try:
+                out = await self._ask({"type": "reset", "data": data})
+                break
+            except OpenEnvError as e:
+                if e.code != "CAPACITY_REACHED":
+                    raise
+            await self.aclose()
+            await asyncio.sleep(wait)
+            wait = min(1.0, 2 * wait)
         return self._text(out) if self.show_reset else None
 
     async def step(self, turn: str) -> StepResult:

@@ -37,19 +37,19 @@ def _venv_bin() -> Path:
     return venv / "bin"
 
 
-@pytest.fixture(scope="module")
-def echo_server(tmp_path_factory):
+def _serve(d: Path, max_envs: int):
+    """``openenv init echo_env`` in ``d``, its ``max_concurrent_envs`` set to ``max_envs`` (the
+    template's own knob, 1 as written), served by uvicorn: ``(url, process)``."""
     from megatron_p3o.runtime.ports import free_port
 
     bin_ = _venv_bin()
-    d = tmp_path_factory.mktemp("openenv")
     r = subprocess.run([str(bin_ / "openenv"), "init", "echo_env"], cwd=d, capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     app = d / "echo_env" / "server" / "app.py"
     src = app.read_text()
-    assert "max_concurrent_envs=1," in src  # the template's knob, raised as its comment says
-    app.write_text(src.replace("max_concurrent_envs=1,", "max_concurrent_envs=64,"))
+    assert "max_concurrent_envs=1," in src
+    app.write_text(src.replace("max_concurrent_envs=1,", f"max_concurrent_envs={max_envs},"))
     port = free_port()
     log = open(d / "server.log", "w")
     proc = subprocess.Popen(
@@ -57,22 +57,27 @@ def echo_server(tmp_path_factory):
          "--port", str(port), "--log-level", "warning"],
         cwd=d / "echo_env", stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
+    log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:
-                    break
+                    return url, proc
         except OSError:
             pass
         assert proc.poll() is None, (d / "server.log").read_text()[-2000:]
         assert time.monotonic() < deadline, (d / "server.log").read_text()[-2000:]
         time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def echo_server(tmp_path_factory):
+    url, proc = _serve(tmp_path_factory.mktemp("openenv"), 64)
     yield url
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +88,7 @@ def tok(tmp_path_factory):
     return tool_calc.make_tokenizer(tmp_path_factory.mktemp("tok"), train)
 
 
-def _rollout(tok, url, n_prompts=17, n=3, **env_args):
+def _rollout(tok, url, n_prompts=17, n=3, engine=None, **env_args):
     from megatron_p3o.data.prompts import encode_prompt
     from megatron_p3o.data.tasks import tool_calc
     from megatron_p3o.env.config import MultiTurnConfig
@@ -95,9 +100,10 @@ def _rollout(tok, url, n_prompts=17, n=3, **env_args):
     from ..turn_recording import record_turns
     from ..unit.test_chat_templates import _model
 
-    cfg, ref = _model(tok, positions=512)
-    engine = EmbeddedEngine(cfg, "fp32", pad_token_id=tok.pad_token_id)
-    engine.update_weights([list(ref.state_dict().items())], 0)
+    if engine is None:
+        cfg, ref = _model(tok, positions=512)
+        engine = EmbeddedEngine(cfg, "fp32", pad_token_id=tok.pad_token_id)
+        engine.update_weights([list(ref.state_dict().items())], 0)
     calls = record_turns(engine)
     args = {"url": url, "action_key": "message", "observation_key": "echoed_message",
             "show_reset": False, **env_args}  # fmt: skip
@@ -141,6 +147,29 @@ def test_the_sdks_echo_environment_through_the_turn_loop(echo_server, tok):
         for span, text in zip(spans, texts):
             assert text in tok.decode(span, skip_special_tokens=False), (text, span)
     assert said >= inv["turns"] // 2, said  # most turns said something (a reward to check)
+
+
+@pytest.mark.e2e
+def test_episodes_wait_for_a_session_at_the_servers_capacity(tmp_path, tok):
+    """The template as written serves one session at a time: 12 episodes in flight at once
+    each wait for it (backoff) and all end as they would with room, none aborted. The engine
+    batches by wall clock, as SGLang does (a scripted one: the embedded engine's logical-time
+    ticks wait for every admitted episode, so there an episode waiting for a session another
+    holds stalls both: docs/agents.md)."""
+    from ..turn_recording import prefix_violations
+    from ..unit.test_multiturn import ScriptedEngine
+
+    hello = tok.encode("hello", add_special_tokens=False) + [tok.eos_token_id]
+    url, proc = _serve(tmp_path, 1)
+    try:
+        eng = ScriptedEngine(tok, lambda ids, turn: hello)
+        out, calls = _rollout(tok, url, n_prompts=4, n=3, engine=eng)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert prefix_violations(out, calls)["violations"] == 0
+    assert [s.meta["status"] for s in out] == ["truncated"] * 12, [s.meta for s in out]
+    assert all(s.reward == pytest.approx(3 * 0.1 * len("hello")) for s in out)
 
 
 @pytest.mark.e2e
