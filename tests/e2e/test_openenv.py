@@ -20,7 +20,7 @@ from .cli import ROOT
 def _venv_bin() -> Path:
     """The OpenEnv venv: built by tools/run_tests.sh in the background (its exit status in
     ``$P3O_OPENENV_ENV_RC``) or, without it, here (up to date: seconds)."""
-    venv = Path(os.environ.get("OPENENV_VENV", ROOT / ".venv-openenv"))
+    venv = ROOT / os.environ.get("OPENENV_VENV", ".venv-openenv")  # relative: to the checkout
     rc_file = os.environ.get("P3O_OPENENV_ENV_RC")
     if rc_file:
         deadline = time.monotonic() + 900
