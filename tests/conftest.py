@@ -106,36 +106,31 @@ def base(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
-def tool_base(tmp_path_factory):
-    """The multi-turn tool recipe's base (``bases/tool_calc``, installed by
-    ``tools/make_base.py --task tool_calc`` in seconds): HF, Megatron, the task's splits."""
+def _shipped_base(tmp_path_factory, task: str, name: str):
+    """``bases/<task>`` installed once per run by ``tools/make_base.py --task <task>``."""
     from tests.e2e.cli import ENV, ROOT
 
     def build(d):
         r = subprocess.run(
-            [sys.executable, str(ROOT / "tools/make_base.py"), "--task", "tool_calc", "--out",
+            [sys.executable, str(ROOT / "tools/make_base.py"), "--task", task, "--out",
              str(d / "base")], capture_output=True, text=True, env=ENV, timeout=900,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
 
-    return built_once(tmp_path_factory, "tool_base", build) / "base"
+    return built_once(tmp_path_factory, name, build) / "base"
+
+
+@pytest.fixture(scope="session")
+def tool_base(tmp_path_factory):
+    """The multi-turn tool recipe's base (``bases/tool_calc``, installed in seconds): HF,
+    Megatron, the task's splits."""
+    return _shipped_base(tmp_path_factory, "tool_calc", "tool_base")
 
 
 @pytest.fixture(scope="session")
 def code_base(tmp_path_factory):
-    """The agent recipe's base (``bases/tool_code``, installed by ``tools/make_base.py --task
-    tool_code``): HF, Megatron, the task's splits."""
-    from tests.e2e.cli import ENV, ROOT
-
-    def build(d):
-        r = subprocess.run(
-            [sys.executable, str(ROOT / "tools/make_base.py"), "--task", "tool_code", "--out",
-             str(d / "base")], capture_output=True, text=True, env=ENV, timeout=900,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-
-    return built_once(tmp_path_factory, "code_base", build) / "base"
+    """The agent recipe's base (``bases/tool_code``): HF, Megatron, the task's splits."""
+    return _shipped_base(tmp_path_factory, "tool_code", "code_base")
 
 
 @pytest.fixture(scope="session")
