@@ -46,13 +46,15 @@ setup(
         # Weights & Biases logging (off by default; tests use its offline mode)
         "wandb": ["wandb"],
         # accelerate: transformers' FP8 checkpoint loader needs it (the FP8 export's test);
-        # pytest-xdist: tools/run_tests.sh runs the suite's files on 2 workers
+        # pytest-xdist: tools/run_tests.sh runs the suite's files on 2 workers; pytest-timeout:
+        # a test that hangs fails with its stacks (pytest.ini) instead of holding CI to its limit
         # bring your own agent (rollout.multi_turn.agent): the OpenAI client the agent is given
         # and the endpoint it talks to (docs/agents.md)
         "agents": ["openai", "aiohttp", "mcp"],
         "dev": [
             "pytest>=8",
             "pytest-xdist",
+            "pytest-timeout",
             "ruff",
             "wandb",
             "accelerate",
