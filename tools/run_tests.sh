@@ -13,22 +13,21 @@ VENV=${VENV:-.venv}
 # the tests under tests/sglang_server need it; their session fixture waits for its exit status
 # ($P3O_SGLANG_ENV_RC) and fails with this log if it failed.
 mkdir -p .cache
-sglang_log=.cache/sglang_env.log
-sglang_rc=$PWD/.cache/sglang_env.rc
-rm -f "$sglang_rc"
-# its own process group (setsid), so that a failed run stops pip inside it too; the exit status
-# is written to a file (atomically: a reader sees all of it or none)
-setsid -w bash -c 'bash tools/sglang_env.sh; rc=$?; echo $rc > "$1.tmp"; mv "$1.tmp" "$1"; exit $rc' \
-  _ "$sglang_rc" > "$sglang_log" 2>&1 &
-sglang_pid=$!
+# bg_env NAME: run tools/NAME.sh in the background in its own process group (setsid), so that a
+# failed run stops pip inside it too; its output in .cache/NAME.log and its exit status written
+# to .cache/NAME.rc atomically (a reader sees all of it or none); sets bg_pid
+bg_env() {
+  rm -f ".cache/$1.rc"
+  setsid -w bash -c 'bash "tools/$1.sh"; rc=$?; echo $rc > "$2.tmp"; mv "$2.tmp" "$2"; exit $rc' \
+    _ "$1" "$PWD/.cache/$1.rc" > ".cache/$1.log" 2>&1 &
+  bg_pid=$!
+}
+bg_env sglang_env
+sglang_pid=$bg_pid sglang_log=.cache/sglang_env.log sglang_rc=$PWD/.cache/sglang_env.rc
 # the OpenEnv server environment (tools/openenv_env.sh, ≈ 1 min) the same way: only
 # tests/e2e/test_openenv.py needs it; its fixture waits for $P3O_OPENENV_ENV_RC
-openenv_log=.cache/openenv_env.log
-openenv_rc=$PWD/.cache/openenv_env.rc
-rm -f "$openenv_rc"
-setsid -w bash -c 'bash tools/openenv_env.sh; rc=$?; echo $rc > "$1.tmp"; mv "$1.tmp" "$1"; exit $rc' \
-  _ "$openenv_rc" > "$openenv_log" 2>&1 &
-openenv_pid=$!
+bg_env openenv_env
+openenv_pid=$bg_pid openenv_log=.cache/openenv_env.log openenv_rc=$PWD/.cache/openenv_env.rc
 # the wheel (non-editable, its own venv) beside them: also mostly pip's disk I/O
 wheel_log=.cache/wheel_check.log
 wheel_pid=

@@ -328,7 +328,8 @@ def _list_looks(grid, todo, con) -> int:
             f"{call.label} at look {call.look} ({call.n} seeds, Δ {call.delta:+.3f})"
             if call.final else f"undecided after look {call.look}"
         )  # fmt: skip
-        con.print(f"{c.setting:>12}  {c.arm} − {c.comparator}: {what}")
+        on = f" on {c.against}" if c.against != c.setting else ""
+        con.print(f"{c.setting:>12}  {c.arm} − {c.comparator}{on}: {what}")
     k, need = next_look(grid, rows)
     if k is None:
         con.print("every declared comparison is decided or at its cap: nothing to run")

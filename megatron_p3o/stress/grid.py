@@ -36,6 +36,9 @@ A grid file (see ``recipes/stress_tiny_cpu.yaml``)::
     sequential: {seeds: [101, …, 164], looks: [8, 16, 32, 64], alpha: 0.05,
                  spending: hsd, gamma: -2}   # stress/sequential.py: repeated CIs, Bonferroni
     committed: docs/stress_v5_tiny_cpu   # its cells.csv rows count as finished cells
+    # v6 (docs/stress_v6_plan.md): in preregistered, comparator_setting (the comparator's cells
+    # on another setting) and prediction (the call expected, scored exactly); in a setting,
+    # loop: retokenize (stress/loop_mismatch.py: a multi-turn loop mismatch, no trainer option)
 
 Families are the mismatch axes: rollout precision, reuse (epochs), staleness (sync every L /
 async K), engine logit noise (a perturbed sampling distribution with honest ℓb), corrupted
@@ -75,6 +78,9 @@ class MismatchSpec:
     level: float = 0.0
     set: Dict[str, Any] = field(default_factory=dict)
     objectives: List[str] = field(default_factory=list)  # labels run on this setting (empty: all)
+    # a mismatch of the multi-turn loop that is no trainer option (:mod:`.loop_mismatch`):
+    # "retokenize" renders the history to text and encodes it again before every turn
+    loop: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,17 @@ class Comparison:
     setting: str
     arm: str
     comparator: str = "p3o"
+    # v6: the comparator's setting when it is another one (the same arm on two settings: what a
+    # mismatch costs that arm); empty: ``setting``
+    comparator_setting: str = ""
+    # v6: the call predicted before the runs (better / worse / equivalent / undecided), scored
+    # exactly in calls.csv (``as_predicted``); empty: none declared
+    prediction: str = ""
+
+    @property
+    def against(self) -> str:
+        """The setting the comparator's cells run on."""
+        return self.comparator_setting or self.setting
 
 
 @dataclass(frozen=True)
@@ -124,6 +141,8 @@ class Sequential:
 SPENDING = ("hsd", "obf", "pocock")
 
 REPORTING_NOISE = "reporting noise, not a distribution shift"
+PREDICTIONS = ("better", "worse", "equivalent", "undecided")
+LOOP_MISMATCHES = ("", "retokenize")
 
 
 def reports_noise(m: MismatchSpec) -> bool:
@@ -297,6 +316,11 @@ def load_grid(path: str | Path) -> GridConfig:
                 f"grid {p}: comparators: {c!r} is not an objective label ({sorted(objectives)})"
             )
     for k, m in mismatch.items():
+        if m.loop not in LOOP_MISMATCHES:
+            raise ConfigError(
+                f"grid {p}: mismatch.{k}.loop: {m.loop!r} is not a loop mismatch "
+                f"({', '.join(x for x in LOOP_MISMATCHES if x)})"
+            )
         for o in m.objectives:
             if o not in objectives:
                 raise ConfigError(
@@ -362,6 +386,11 @@ def _check_v4(p: Path, grid: GridConfig) -> None:
                 f"grid {p}: preregistered[{i}].setting: {c.setting!r} is not a mismatch label "
                 f"({sorted(grid.mismatch)})"
             )
+        if c.against not in grid.mismatch:
+            raise ConfigError(
+                f"grid {p}: preregistered[{i}].comparator_setting: {c.against!r} is not a "
+                f"mismatch label ({sorted(grid.mismatch)})"
+            )
         for key in ("arm", "comparator"):
             v = getattr(c, key)
             if v not in arms:
@@ -369,11 +398,20 @@ def _check_v4(p: Path, grid: GridConfig) -> None:
                     f"grid {p}: preregistered[{i}].{key}: {v!r} is not an objective "
                     f"({sorted(arms)})"
                 )
-        if c.arm == c.comparator:
+        if c.arm == c.comparator and c.against == c.setting:
             raise ConfigError(
                 f"grid {p}: preregistered[{i}]: arm and comparator are both {c.arm!r}"
             )
-    seen = [(c.setting, c.arm, c.comparator) for c in grid.preregistered]
+        if c.prediction not in ("", *PREDICTIONS):
+            raise ConfigError(
+                f"grid {p}: preregistered[{i}].prediction: {c.prediction!r} is not one call "
+                f"({', '.join(PREDICTIONS)})"
+            )
+    if len({bool(c.prediction) for c in grid.preregistered}) > 1:
+        raise ConfigError(
+            f"grid {p}: preregistered: predict every comparison's call or none (each is scored)"
+        )
+    seen = [(c.setting, c.arm, c.comparator, c.against) for c in grid.preregistered]
     if len(set(seen)) < len(seen):
         raise ConfigError(f"grid {p}: preregistered: a comparison is declared twice")
     if not 0 < grid.equivalence_margin < 1:
@@ -410,6 +448,11 @@ def _check_v5(p: Path, grid: GridConfig) -> None:
             raise ConfigError(f"grid {p}: {key}: steps {bad} are not within 1..{steps}")
     seq = grid.sequential
     if seq is None:
+        if any(c.comparator_setting or c.prediction for c in grid.preregistered):
+            raise ConfigError(
+                f"grid {p}: preregistered: comparator_setting and prediction are read by the "
+                "sequential design (sequential:)"
+            )
         return
     if grid.lr_select is not None:
         raise ConfigError(f"grid {p}: sequential and lr_select exclude each other (fix the rates)")
@@ -430,12 +473,12 @@ def _check_v5(p: Path, grid: GridConfig) -> None:
             f"grid {p}: sequential: alpha={seq.alpha} in (0, 0.5), spending one of {SPENDING}"
         )
     for i, c in enumerate(grid.preregistered):
-        for arm in (c.arm, c.comparator):
-            labels = arm_labels(grid, arm, c.setting)
+        for arm, setting in ((c.arm, c.setting), (c.comparator, c.against)):
+            labels = arm_labels(grid, arm, setting)
             if len(labels) != 1:
                 raise ConfigError(
                     f"grid {p}: preregistered[{i}]: arm {arm!r} runs {len(labels)} labels on "
-                    f"{c.setting} ({labels}): exactly one (its fixed rate) is needed"
+                    f"{setting} ({labels}): exactly one (its fixed rate) is needed"
                 )
 
 
@@ -499,4 +542,10 @@ def _cell_config(grid: GridConfig, cell: Cell, world_size: int) -> TrainConfig:
             if k not in pinned
         ]
         cfg = load_config(grid.base, cell.overrides + run + ports)
+    m = grid.mismatch[cell.mismatch]
+    if m.loop and cfg.rollout.multi_turn is None:
+        raise ConfigError(
+            f"mismatch.{cell.mismatch}.loop={m.loop}: the base recipe has no rollout.multi_turn "
+            "(a loop mismatch changes the multi-turn loop)"
+        )
     return cfg.with_task_files().validate(world_size)

@@ -23,6 +23,14 @@ from megatron_p3o.stress.stats import seed_scores
 CALLS_CSV = "calls.csv"
 CALLS_COLUMNS = ("setting", "arm", "look", "test_seeds", "delta", "ci_lo", "ci_hi",
                  "p_adjusted", "call", "comparator", "seeds_needed")  # fmt: skip
+# v6 (a grid whose comparisons name a comparator setting or a predicted call): v5's columns,
+# then the comparator's setting, the prediction and whether the call is exactly it
+CALLS_COLUMNS_V6 = (*CALLS_COLUMNS, "comparator_setting", "prediction", "as_predicted")
+
+
+def calls_columns(grid: GridConfig) -> tuple:
+    v6 = any(c.prediction or c.comparator_setting for c in grid.preregistered)
+    return CALLS_COLUMNS_V6 if v6 else CALLS_COLUMNS
 
 
 def design(grid: GridConfig) -> Design:
@@ -49,13 +57,14 @@ def comparison_state(
     """(the comparison's call so far, the 0-based look it waits for: len(looks) when final)."""
     d = design(grid)
     done = _done(rows)
-    la, lb = label(grid, c.arm, c.setting), label(grid, c.comparator, c.setting)
+    la, lb = label(grid, c.arm, c.setting), label(grid, c.comparator, c.against)
     a = seed_scores(rows, la, c.setting, grid.endpoint)
-    b = seed_scores(rows, lb, c.setting, grid.endpoint)
+    b = seed_scores(rows, lb, c.against, grid.endpoint)
     by_look: List[List[float]] = []
     for n in d.looks:
         seeds = grid.sequential.seeds[:n]
-        if not all((lab, c.setting, s) in done for s in seeds for lab in (la, lb)):
+        sides = ((la, c.setting), (lb, c.against))
+        if not all((lab, st, s) in done for s in seeds for lab, st in sides):
             break
         by_look.append([a[s] - b[s] for s in seeds if s in a and s in b])
     call = decide(by_look, d, c.setting, c.arm, c.comparator)
@@ -80,8 +89,8 @@ def next_look(grid: GridConfig, rows: List[dict]) -> Tuple[Optional[int], List[C
     want = set()
     for c, _, kk in st:
         if kk == k:
-            for arm in (c.arm, c.comparator):
-                want.add((label(grid, arm, c.setting), c.setting))
+            for arm, setting in ((c.arm, c.setting), (c.comparator, c.against)):
+                want.add((label(grid, arm, setting), setting))
     done = _done(rows)
     todo = [
         cell
@@ -105,28 +114,41 @@ def calls_rows(grid: GridConfig, rows: List[dict]) -> List[dict]:
     """``calls.csv``: one row per declared comparison (its latest look when not decided)."""
     out = []
     for c, call in calls(grid, rows):
-        if call is None:
-            out.append({"setting": c.setting, "arm": c.arm, "look": 0, "test_seeds": 0,
-                        "delta": "", "ci_lo": "", "ci_hi": "", "p_adjusted": "",
-                        "call": "not started", "comparator": c.comparator,
-                        "seeds_needed": ""})  # fmt: skip
-            continue
-        out.append(
-            {
-                "setting": c.setting,
-                "arm": c.arm,
-                "look": call.look,
-                "test_seeds": call.n,
-                "delta": _num(call.delta, ".6f"),
-                "ci_lo": _num(call.lo, ".6f"),
-                "ci_hi": _num(call.hi, ".6f"),
-                "p_adjusted": _num(call.p_adjusted, ".4g"),
-                "call": call.label if call.final else f"undecided after look {call.look}",
-                "comparator": c.comparator,
-                "seeds_needed": "" if call.seeds_needed is None else call.seeds_needed,
-            }
-        )
+        out.append({**_call_row(c, call), **_v6_columns(grid, c, call)})
     return out
+
+
+def _v6_columns(grid: GridConfig, c: Comparison, call: Optional[Call]) -> dict:
+    """The comparator's setting, the predicted call and ``as_predicted``: yes / no when the
+    call is final (undecided at the cap matches "undecided"), ``pending`` before."""
+    if calls_columns(grid) is CALLS_COLUMNS:
+        return {}
+    if call is None or not call.final:
+        hit = "pending"
+    else:
+        hit = "yes" if call.call == c.prediction else "no"
+    return {"comparator_setting": c.against, "prediction": c.prediction,
+            "as_predicted": hit if c.prediction else ""}  # fmt: skip
+
+
+def _call_row(c: Comparison, call: Optional[Call]) -> dict:
+    if call is None:
+        return {"setting": c.setting, "arm": c.arm, "look": 0, "test_seeds": 0, "delta": "",
+                "ci_lo": "", "ci_hi": "", "p_adjusted": "", "call": "not started",
+                "comparator": c.comparator, "seeds_needed": ""}  # fmt: skip
+    return {
+        "setting": c.setting,
+        "arm": c.arm,
+        "look": call.look,
+        "test_seeds": call.n,
+        "delta": _num(call.delta, ".6f"),
+        "ci_lo": _num(call.lo, ".6f"),
+        "ci_hi": _num(call.hi, ".6f"),
+        "p_adjusted": _num(call.p_adjusted, ".4g"),
+        "call": call.label if call.final else f"undecided after look {call.look}",
+        "comparator": c.comparator,
+        "seeds_needed": "" if call.seeds_needed is None else call.seeds_needed,
+    }
 
 
 def marks(grid: GridConfig, rows: List[dict]) -> Dict[Tuple[str, str], str]:
@@ -183,6 +205,10 @@ def section(grid: GridConfig, rows: List[dict], runs: List[dict]) -> Tuple[List[
     by_look: Dict[int, int] = {}
     for c, call, _ in st:
         what = f"{c.arm} − {c.comparator}"
+        if c.against != c.setting:  # the same arm (or another) on the comparator's setting
+            what = f"{c.arm} − {c.comparator} on {c.against}"
+        if c.prediction:
+            what += f" (predicted: {c.prediction})"
         if call is None:
             lines.append(f"| {c.setting} | {what} | — | 0 | | | | not started | |")
             continue
@@ -210,6 +236,10 @@ def section(grid: GridConfig, rows: List[dict], runs: List[dict]) -> Tuple[List[
         key = "not started" if call is None else (call.label if call.final else "open")
         counts[key] = counts.get(key, 0) + 1
     text.append("- Calls: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ".")
+    predicted = [(c, call) for c, call, _ in st if c.prediction and call is not None and call.final]
+    if predicted:  # scored exactly: a call is as predicted only when it is the one predicted
+        hits = sum(call.call == c.prediction for c, call in predicted)
+        text.append(f"- As predicted: {hits} of {len(predicted)} final calls (exact match).")
     lines += ["", *look_cost(runs)]
     return lines, text
 

@@ -102,9 +102,29 @@ def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
     return f"{name} ({' '.join(ids)})" if ids else name
 
 
+def grid_commit(grid_path: str | Path, root: str | Path = _ROOT) -> str:
+    """The commit that last changed the grid file — for a pre-registered grid, the plan's commit
+    (committed together, never edited after a cell ran); ``uncommitted`` when the file differs
+    from it or is not tracked, ``unknown`` outside a git checkout."""
+    try:
+        rel = str(Path(grid_path).resolve().relative_to(Path(root).resolve()))
+        last = subprocess.run(
+            ["git", "-C", str(root), "log", "-1", "--format=%H", "--", rel],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+        changed = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", rel],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return "unknown"
+    return "uncommitted" if changed or not last else last
+
+
 def provenance(grid_path: str | Path, base_checkpoint: str) -> Dict[str, str]:
     return {
         "commit": code_commit(),
+        "grid_commit": grid_commit(grid_path),
         "base_hash": tree_hash(base_checkpoint) if base_checkpoint else "none",
         "grid_hash": tree_hash(grid_path),
         "cpu_isa": cpu_isa(),
@@ -120,6 +140,7 @@ def mixed(cells: List[dict]) -> List[str]:
         ("commit", "commits"),
         ("base_hash", "base models"),
         ("grid_hash", "grid files"),
+        ("grid_commit", "grid (plan) commits"),
         ("cpu_isa", "CPU instruction sets"),
         ("cpu_model", "CPU models"),
     ):

@@ -362,8 +362,10 @@ def write_report(
     if not mixed_from and cells:
         keys = ("commit", "base_hash", "grid_hash", "cpu_isa", "cpu_model")
         got = {k: cells[0].get(k, "unrecorded") for k in keys}
+        plan = cells[0].get("grid_commit")
         md.append(
-            f"Provenance: every cell from commit `{got['commit']}`, base model "
+            (f"Provenance: the grid (the plan) of commit `{plan}`; " if plan else "Provenance: ")
+            + f"every cell from commit `{got['commit']}`, base model "
             f"`{got['base_hash']}`, grid file `{got['grid_hash']}`, CPU kernels "
             f"`{got['cpu_isa']}`, CPU `{got['cpu_model']}`."
         )

@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 from megatron_p3o.config.train_config import TrainConfig
 from megatron_p3o.runtime.collectives import barrier
 from megatron_p3o.stress.grid import Cell, GridConfig
+from megatron_p3o.stress.loop_mismatch import apply_loop_mismatch
 
 SUMMARY = "cell.json"
 
@@ -135,11 +136,15 @@ def run_cell(
     curve: List[dict] = []  # eval sets (pass@k, greedy) every eval.every steps
     trainer = Trainer(cfg, groups)
     probe: Dict[str, float] = {}
+    loop = grid.mismatch[cell.mismatch].loop
+    hook = apply_loop_mismatch(loop, trainer)  # a loop mismatch that is no trainer option
     try:
         if grid.probe_prompts:  # the setting's exogenous mismatch, before any step
             from megatron_p3o.stress.probe import probe_mismatch
 
             probe = probe_mismatch(trainer, grid.probe_prompts)
+            if hook is not None:  # the probe saw the loop mismatch; the counts are training's
+                hook.turns = hook.changed = hook.longer = 0
         acc0 = _start_accuracy(grid, cfg, trainer)
         if cfg.eval.sets:  # long runs: the eval sets' curve starts at the base weights
             curve.append({"step": 0, **trainer.evaluate_sets()})
@@ -176,12 +181,14 @@ def run_cell(
         del trainer
         gc.collect()
     summary.update(probe)
+    if hook is not None:
+        summary.update(hook.summary())
     summary.update(provenance or {})  # commit, base model and grid hashes (stress.provenance)
     if rank == 0:
         tmp = run_dir / (SUMMARY + ".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(run_dir / SUMMARY)  # the marker appears whole or not at all
-        file_in_store(grid, cfg, run_dir, summary)
+        file_in_store(grid, cfg, run_dir, summary, loop)
     if grid.store and dist.is_initialized():
         barrier(dist.group.WORLD, "every rank sees the stored cell before the next finished()")
     return summary
@@ -325,8 +332,9 @@ def code_key() -> str:
     return commit
 
 
-def store_material(grid: GridConfig, cfg: TrainConfig) -> dict:
-    """What a cell's numbers depend on (the store's key is its hash)."""
+def store_material(grid: GridConfig, cfg: TrainConfig, loop: str = "") -> dict:
+    """What a cell's numbers depend on (the store's key is its hash); ``loop``: the cell's loop
+    mismatch (:mod:`.loop_mismatch`), which its config does not show."""
     from megatron_p3o.config.loading import to_dict
     from megatron_p3o.stress.provenance import cpu_isa
 
@@ -341,6 +349,8 @@ def store_material(grid: GridConfig, cfg: TrainConfig) -> dict:
     extra = {}
     if grid.eval_steps or grid.endpoint_steps:  # v5: the held-out curve and the endpoint's steps
         extra = {"eval_steps": eval_steps(grid, cfg.steps), "endpoint_steps": grid.endpoint_steps}
+    if loop:  # v6 (absent otherwise: earlier cells keep their keys)
+        extra["loop"] = loop
     return {
         **extra,
         "config": conf,
@@ -370,7 +380,7 @@ def _cell_key(grid: GridConfig, cell: Cell) -> tuple:
 
     k = (grid.work, grid.store, cell.id, tuple(cell.overrides), grid.eval_limit, grid.probe_prompts)
     if k not in _key_cache:
-        mat = store_material(grid, cell_config(grid, cell))
+        mat = store_material(grid, cell_config(grid, cell), grid.mismatch[cell.mismatch].loop)
         _key_cache[k] = (store_key(mat), mat)
     return _key_cache[k]
 
@@ -381,12 +391,14 @@ def _copy_atomic(src: Path, dst: Path) -> None:
     tmp.replace(dst)
 
 
-def file_in_store(grid: GridConfig, cfg: TrainConfig, run_dir: Path, summary: dict) -> None:
+def file_in_store(
+    grid: GridConfig, cfg: TrainConfig, run_dir: Path, summary: dict, loop: str = ""
+) -> None:
     """File a finished ``ok`` cell under its key (first one wins; a failed cell is not filed:
     a failure may be the machine's, and the next grid should try again)."""
     if not grid.store or summary.get("status") != "ok" or summary.get("reused_from"):
         return
-    mat = store_material(grid, cfg)
+    mat = store_material(grid, cfg, loop)
     d = Path(grid.store) / store_key(mat)
     if (d / SUMMARY).is_file():
         return
@@ -420,10 +432,13 @@ def reuse(grid: GridConfig, cell: Cell) -> Optional[Dict]:
         reused_from=f"{origin} (store key {key})",
     )
     if grid.path:  # the grid it now belongs to (the original grid's hash is kept beside it)
-        from megatron_p3o.stress.provenance import tree_hash
+        from megatron_p3o.stress.provenance import grid_commit, tree_hash
 
         rec["reused_grid_hash"] = rec.get("grid_hash", "unrecorded")
         rec["grid_hash"] = tree_hash(grid.path)
+        if "grid_commit" in rec:  # v6 cells: the plan's commit of the grid it now belongs to
+            rec["reused_grid_commit"] = rec["grid_commit"]
+            rec["grid_commit"] = grid_commit(grid.path)
     run_dir = Path(grid.work) / cell.id
     run_dir.mkdir(parents=True, exist_ok=True)
     if (d / "metrics.jsonl").is_file():

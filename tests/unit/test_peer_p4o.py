@@ -45,3 +45,25 @@ def test_the_fixture_names_the_peer_commit_and_function():
     peer = FIXTURE["peer"]
     assert peer["repo"] == "FeynRL-project/FeynRL" and len(peer["commit"]) == 40
     assert peer["function"] == "P4O.compute_policy_loss" and peer["file"] == "algs/P4O/p4o.py"
+
+
+def test_p4o_is_p3o_when_the_proximal_anchor_is_the_current_policy():
+    """What stress study v6 predicts from (docs/stress_v6_plan.md): with πprox = πθ (ℓold
+    recomputed at the step's start, one optimizer step per rollout batch) e_prox = 1, the
+    mixture's proximal weight is 0 and P4O's loss and gradient are P3O's to float64 rounding;
+    a moved proximal anchor (the control) makes them differ."""
+    x = inputs(1, *CASES[1])
+    out = {}
+    for name, lprox in (("fresh", x["lp"]), ("moved", x["lprox"])):
+        for obj in ("p3o", "p4o"):
+            lp = x["lp"].clone().requires_grad_()
+            kw = {"old_logprobs": lprox} if obj == "p4o" else {}
+            loss, m = policy_loss(obj, lp, x["lb"], x["adv"], x["mask"], **kw)
+            (grad,) = torch.autograd.grad(loss, lp)
+            out[name, obj] = (float(loss), grad, m)
+    (l3, g3, _), (l4, g4, m4) = out["fresh", "p3o"], out["fresh", "p4o"]
+    assert m4["ess_prox"] == pytest.approx(1.0, abs=1e-12) and m4["ess"] < 0.99
+    assert l4 == pytest.approx(l3, rel=1e-12)
+    assert float((g4 - g3).abs().max()) <= 1e-12 * float(g3.abs().max())
+    l4m, g4m, _ = out["moved", "p4o"]
+    assert abs(l4m - l3) > 1e-6 * abs(l3)
