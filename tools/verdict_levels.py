@@ -109,7 +109,10 @@ def levels_v5(grid_path: str, report_dir: str) -> list:
 
         arms = sorted({arm_of(c["objective"]) for c in cells if c["mismatch"] == mm})
         failed, got = {}, {}
-        for r in (r for r in calls if r["setting"] == mm):
+        # a v6 row comparing one arm across two settings (comparator_setting) is not a call
+        # between arms at this level
+        same = (r for r in calls if r.get("comparator_setting", "") in ("", r["setting"]))
+        for r in (r for r in same if r["setting"] == mm):
             got[r["arm"]] = r["call"]
             ci = f"[{float(r['ci_lo']):+.3f}, {float(r['ci_hi']):+.3f}]"
             what = (
