@@ -285,7 +285,8 @@ def test_a_cell_of_the_store_is_reused_and_equals_a_fresh_run(base, tmp_path):
     assert b["reused_from"].startswith(str(tmp_path / "a" / "work" / "p3o__bf16__s1"))
     assert "reused_from" not in a and "reused_from" not in c
     assert len(list((tmp_path / "store").iterdir())) == 1
-    labels = ("cell", "objective", "wall_s", "grid_hash", "reused_from", "reused_grid_hash")
+    labels = ("cell", "objective", "wall_s", "grid_hash", "reused_from", "reused_grid_hash",
+              "reused_grid_commit")  # fmt: skip
     assert {k: v for k, v in b.items() if k not in labels} == {
         k: v for k, v in a.items() if k not in labels
     }
