@@ -28,6 +28,10 @@ class Retokenized:
 
     def __init__(self, tok):
         self.tok, self.on = tok, True
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting again (after the probe: the counts are the training rollouts')."""
         self.turns = self.changed = self.longer = 0
 
     def __call__(self, t) -> List[int]:

@@ -144,7 +144,7 @@ def run_cell(
 
             probe = probe_mismatch(trainer, grid.probe_prompts)
             if hook is not None:  # the probe saw the loop mismatch; the counts are training's
-                hook.turns = hook.changed = hook.longer = 0
+                hook.reset()
         acc0 = _start_accuracy(grid, cfg, trainer)
         if cfg.eval.sets:  # long runs: the eval sets' curve starts at the base weights
             curve.append({"step": 0, **trainer.evaluate_sets()})
